@@ -1,0 +1,67 @@
+#include "core/validate.h"
+
+namespace kvprune {
+namespace {
+
+bool valid_dtype(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+bool valid_pool(int64_t kernel_size, PoolMode mode) {
+  return kernel_size >= 1 && kernel_size % 2 == 1 &&
+         (mode == PoolMode::kMax || mode == PoolMode::kAvg);
+}
+
+}  // namespace
+
+Status validate(const WindowScoresParams& p) {
+  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (p.batch < 0 || p.length < 0 || p.window < 1 || p.head_dim < 1) return Status::kInvalidArgument;
+  if (p.kv_heads < 1 || p.q_heads < p.kv_heads || p.q_heads % p.kv_heads != 0)
+    return Status::kInvalidArgument;
+  if (p.reduce != GqaReduce::kMean && p.reduce != GqaReduce::kMax && p.reduce != GqaReduce::kSum)
+    return Status::kInvalidArgument;
+  if (p.batch * p.length > 0 && (p.q.data == nullptr || p.k.data == nullptr || p.scores == nullptr))
+    return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const PoolScoresParams& p) {
+  if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.window < 0) return Status::kInvalidArgument;
+  if (!valid_pool(p.kernel_size, p.mode)) return Status::kInvalidArgument;
+  if (p.batch * p.heads * p.length > 0 && (p.scores_in == nullptr || p.scores_out == nullptr))
+    return Status::kInvalidArgument;
+  if (p.scores_in == p.scores_out && p.scores_in != nullptr) return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const SelectKeepParams& p) {
+  if (p.batch < 0 || p.heads < 0 || p.length < 0) return Status::kInvalidArgument;
+  if (p.n_sink < 0 || p.window < 0 || p.budget < p.n_sink + p.window || p.budget < 1)
+    return Status::kInvalidArgument;
+  if (!valid_pool(p.pool_kernel_size, p.pool_mode)) return Status::kInvalidArgument;
+  if (p.batch * p.heads > 0 && p.keep_idx == nullptr) return Status::kInvalidArgument;
+  if (p.batch * p.heads * p.length > 0 && p.scores == nullptr) return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const StreamingKeepParams& p) {
+  if (p.batch < 0 || p.heads < 0 || p.length < 0) return Status::kInvalidArgument;
+  if (p.n_sink < 0 || p.budget < p.n_sink || p.budget < 1) return Status::kInvalidArgument;
+  if (p.batch * p.heads > 0 && p.keep_idx == nullptr) return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const GatherKvParams& p) {
+  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.budget < 0 || p.head_dim < 1)
+    return Status::kInvalidArgument;
+  if (p.batch * p.heads * p.budget > 0 &&
+      (p.keep_idx == nullptr || p.out_k.data == nullptr || p.out_v.data == nullptr))
+    return Status::kInvalidArgument;
+  if (p.batch * p.heads * p.length > 0 && (p.k.data == nullptr || p.v.data == nullptr))
+    return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+}  // namespace kvprune

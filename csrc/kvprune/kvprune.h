@@ -1,0 +1,46 @@
+// Entry points of the torch-free core. Include this header and link the
+// `kvprune::core` CMake target. Every function validates its parameters and
+// returns a Status; none throws, exits or allocates memory (scratch space comes
+// from the caller, sized by the *_workspace_bytes queries).
+#pragma once
+
+#include <cstddef>
+
+#include "kvprune/cpu_executor.h"
+#include "kvprune/params.h"
+#include "kvprune/status.h"
+
+// Same definition as in CUDA's driver_types.h, so this header needs no CUDA.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace kvprune {
+
+// ---- build information ---------------------------------------------------------
+const char* version();
+bool cuda_compiled();          // CUDA kernels are part of this build
+const char* cuda_archs();      // e.g. "80;90a", empty when CUDA is not compiled
+
+// ---- CPU backend ---------------------------------------------------------------
+size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuExecutor& exec);
+Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
+                         const CpuExecutor& exec);
+Status pool_scores_cpu(const PoolScoresParams& p, const CpuExecutor& exec);
+size_t select_keep_workspace_bytes_cpu(const SelectKeepParams& p, const CpuExecutor& exec);
+Status select_keep_cpu(const SelectKeepParams& p, void* workspace, size_t workspace_bytes,
+                       const CpuExecutor& exec);
+Status streaming_keep_cpu(const StreamingKeepParams& p, const CpuExecutor& exec);
+Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec);
+
+// ---- CUDA backend (return kNotCompiled when built without CUDA) ------------------
+// All work is enqueued on `stream`; nothing synchronises with the host.
+size_t window_scores_workspace_bytes_cuda(const WindowScoresParams& p);
+Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream);
+Status pool_scores_cuda(const PoolScoresParams& p, cudaStream_t stream);
+size_t select_keep_workspace_bytes_cuda(const SelectKeepParams& p);
+Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream);
+Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream);
+
+}  // namespace kvprune

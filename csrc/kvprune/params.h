@@ -1,0 +1,129 @@
+// Plain parameter structs for every op of the torch-free core.
+//
+// Conventions (all ops):
+//  * Sizes and strides are int64 and counted in elements, not bytes.
+//  * Token tensors are 4-D [batch, heads, tokens, head_dim] with arbitrary strides
+//    for the first three dims and a contiguous last dim (stride 1). That covers both
+//    the BHND layout and a BNHD tensor viewed as BHND.
+//  * Score tensors are contiguous fp32 [batch, heads, length].
+//  * seq_lens, when not null, is a contiguous int32 [batch] array of valid lengths
+//    (right padding): positions >= seq_lens[b] are ignored. Null means every row
+//    has `length` valid positions. Values must lie in [0, length].
+//  * Index tensors are contiguous int32 [batch, heads, budget]. A row that keeps
+//    fewer than `budget` tokens is padded with -1.
+#pragma once
+
+#include <cstdint>
+
+#include "kvprune/dtype.h"
+
+namespace kvprune {
+
+// How the per-query-head score rows of one GQA group are combined.
+enum class GqaReduce : int { kMean = 0, kMax = 1, kSum = 2 };
+
+// 1-D pooling over the prefix [0, len - window): max ignores padding; avg counts
+// padding as zeros and always divides by kernel_size.
+enum class PoolMode : int { kMax = 0, kAvg = 1 };
+
+// Read-only strided token tensor [batch, heads, tokens, head_dim].
+struct ConstTokens {
+  const void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t token_stride = 0;
+};
+
+// Writable strided token tensor [batch, heads, tokens, head_dim].
+struct MutableTokens {
+  void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t token_stride = 0;
+};
+
+// SnapKV observation-window voting (DESIGN §1, stage 2).
+//   a[h,i,j] = softmax_j(q[h,i].k[h/G,j] * scale) over j <= len-window+i
+//   scores[g,j] = reduce_{h in group g} sum_i a[h,i,j]
+// With lse: a = exp(q.k*scale - lse[h,i]) and no normalisation pass.
+// Queries whose position len-window+i is negative (len < window) contribute nothing.
+// Positions j >= len get score 0.
+struct WindowScoresParams {
+  ConstTokens q;                      // [batch, q_heads, window, head_dim], dtype
+  ConstTokens k;                      // [batch, kv_heads, length, head_dim], dtype
+  const float* lse = nullptr;         // [batch, q_heads, window] contiguous fp32, or null
+  const int32_t* seq_lens = nullptr;  // [batch] or null
+  float* scores = nullptr;            // out: [batch, kv_heads, length] contiguous fp32
+  DType dtype = DType::kFloat32;
+  int64_t batch = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;  // q_heads % kv_heads == 0
+  int64_t length = 0;    // N, the padded cache length
+  int64_t window = 0;    // W, number of observation queries
+  int64_t head_dim = 0;  // D
+  float scale = 0.f;     // usually 1/sqrt(D)
+  GqaReduce reduce = GqaReduce::kMean;
+};
+
+// Stage 3: stride-1 pooling over each row's prefix [0, len - window). Positions in
+// [len - window, len) are copied unchanged, positions >= len become 0.
+struct PoolScoresParams {
+  const float* scores_in = nullptr;   // [batch, heads, length]
+  float* scores_out = nullptr;        // out: [batch, heads, length]; must not alias scores_in
+  const int32_t* seq_lens = nullptr;  // [batch] or null
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t length = 0;
+  int64_t window = 0;
+  int64_t kernel_size = 7;  // odd, >= 1
+  PoolMode mode = PoolMode::kMax;
+};
+
+// Stage 4: keep sinks [0,n_sink), the window [len-window, len) and the
+// budget-n_sink-window best scores in [n_sink, len-window) (ties: lower position
+// wins), written in ascending position order. Rows with len <= budget keep
+// 0..len-1 followed by -1 padding.
+// pool_kernel_size > 1 pools the scores on the fly first (same rule as
+// PoolScoresParams), so pool + select is one pass; 1 selects on raw scores.
+struct SelectKeepParams {
+  const float* scores = nullptr;      // [batch, heads, length], finite
+  const int32_t* seq_lens = nullptr;  // [batch] or null
+  int32_t* keep_idx = nullptr;        // out: [batch, heads, budget]
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t length = 0;
+  int64_t budget = 0;  // >= n_sink + window
+  int64_t n_sink = 4;
+  int64_t window = 32;
+  int64_t pool_kernel_size = 1;
+  PoolMode pool_mode = PoolMode::kMax;
+};
+
+// StreamingLLM: keep [0, n_sink) and the last budget - n_sink positions.
+struct StreamingKeepParams {
+  const int32_t* seq_lens = nullptr;  // [batch] or null
+  int32_t* keep_idx = nullptr;        // out: [batch, heads, budget]
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t length = 0;
+  int64_t budget = 0;  // >= n_sink
+  int64_t n_sink = 4;
+};
+
+// Compaction: out[b,h,t,:] = src[b,h,keep_idx[b,h,t],:] for K and V alike; an
+// index outside [0, length) (the -1 padding) writes a zero row.
+struct GatherKvParams {
+  ConstTokens k;                      // [batch, heads, length, head_dim], dtype
+  ConstTokens v;                      // [batch, heads, length, head_dim], dtype
+  const int32_t* keep_idx = nullptr;  // [batch, heads, budget]
+  MutableTokens out_k;                // out: [batch, heads, budget, head_dim], dtype
+  MutableTokens out_v;                // out: [batch, heads, budget, head_dim], dtype
+  DType dtype = DType::kFloat32;
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t length = 0;
+  int64_t budget = 0;
+  int64_t head_dim = 0;
+};
+
+}  // namespace kvprune

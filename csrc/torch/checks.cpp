@@ -1,0 +1,81 @@
+#include "torch/checks.h"
+
+namespace kvprune::torch_ext {
+
+DType core_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+void check_tokens(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be 4-D [batch, heads, tokens, head_dim], got shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.size(3) >= 1, name, " must have head_dim >= 1");
+  TORCH_CHECK_VALUE(t.stride(3) == 1 || t.size(3) == 1, name,
+                    " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+  core_dtype(t, name);
+}
+
+ConstTokens const_tokens(const at::Tensor& t) {
+  return ConstTokens{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+MutableTokens mutable_tokens(at::Tensor& t) {
+  return MutableTokens{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name) {
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), " but ", like_name,
+                    " is on ", like.device(), "; all tensors must be on one device");
+}
+
+void check_scores(const at::Tensor& scores, const char* name) {
+  TORCH_CHECK_VALUE(scores.dim() == 3, name, " must be 3-D [batch, heads, length], got shape ",
+                    scores.sizes());
+  TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, name, " must be float32, got ",
+                   scores.scalar_type());
+  TORCH_CHECK_VALUE(scores.is_contiguous(), name, " must be contiguous");
+}
+
+const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t batch,
+                             const at::Tensor& like) {
+  if (!seq_lens.has_value()) return nullptr;
+  const at::Tensor& lens = *seq_lens;
+  TORCH_CHECK_TYPE(lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", lens.scalar_type());
+  TORCH_CHECK_VALUE(lens.dim() == 1 && lens.size(0) == batch, "seq_lens must have shape [", batch,
+                    "], got ", lens.sizes());
+  TORCH_CHECK_VALUE(lens.is_contiguous(), "seq_lens must be contiguous");
+  check_same_device(lens, "seq_lens", like, "the cache tensors");
+  return lens.data_ptr<int32_t>();
+}
+
+GqaReduce parse_gqa(const std::string& gqa) {
+  if (gqa == "mean") return GqaReduce::kMean;
+  if (gqa == "max") return GqaReduce::kMax;
+  if (gqa == "sum") return GqaReduce::kSum;
+  TORCH_CHECK_VALUE(false, "gqa must be 'mean', 'max' or 'sum', got '", gqa, "'");
+  return GqaReduce::kMean;
+}
+
+PoolMode parse_pool(const std::string& mode, const char* name) {
+  if (mode == "max") return PoolMode::kMax;
+  if (mode == "avg") return PoolMode::kAvg;
+  TORCH_CHECK_VALUE(false, name, " must be 'max' or 'avg', got '", mode, "'");
+  return PoolMode::kMax;
+}
+
+void check_status(Status status, const char* op) {
+  if (status == Status::kOk) return;
+  TORCH_CHECK_VALUE(status != Status::kInvalidArgument, "kvprune.", op,
+                    ": invalid argument (seq_lens values must lie in [0, length])");
+  TORCH_CHECK(false, "kvprune.", op, " failed: ", status_string(status));
+}
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,40 @@
+// Input checks and tensor -> core-struct conversions shared by all ops. Every
+// failed check raises ValueError or TypeError naming the offending argument.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "kvprune/kvprune.h"
+
+namespace kvprune::torch_ext {
+
+// fp32 / fp16 / bf16 -> core dtype; anything else raises TypeError naming `name`.
+DType core_dtype(const at::Tensor& t, const char* name);
+
+// A 4-D [batch, heads, tokens, head_dim] tensor whose last dim is contiguous.
+void check_tokens(const at::Tensor& t, const char* name);
+ConstTokens const_tokens(const at::Tensor& t);
+MutableTokens mutable_tokens(at::Tensor& t);
+
+// `t` lives on the same device as `like` (named `like_name`).
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name);
+
+// A contiguous fp32 [batch, heads, length] score tensor.
+void check_scores(const at::Tensor& scores, const char* name);
+
+// seq_lens: optional contiguous int32 [batch] on the device of `like`; returns its
+// data pointer or null.
+const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t batch,
+                             const at::Tensor& like);
+
+GqaReduce parse_gqa(const std::string& gqa);
+PoolMode parse_pool(const std::string& mode, const char* name);
+
+// Raises RuntimeError (ValueError for kInvalidArgument) if status is not kOk.
+void check_status(Status status, const char* op);
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,274 @@
+// Device-agnostic op bodies: argument checks, output allocation, params structs.
+// The Backend does the work on the tensors' device (and stream).
+#include "torch/ops.h"
+
+#include <c10/core/DeviceGuard.h>
+
+#include <cmath>
+
+#include "torch/checks.h"
+
+namespace kvprune::torch_ext {
+namespace {
+
+// Byte offsets of the buffers carved from one workspace allocation.
+constexpr size_t kAlign = 256;
+size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, like.options().dtype(at::kByte));
+}
+
+void check_cache_pair(const at::Tensor& k, const at::Tensor& v) {
+  check_tokens(k, "k");
+  check_tokens(v, "v");
+  check_same_device(v, "v", k, "k");
+  TORCH_CHECK_TYPE(v.scalar_type() == k.scalar_type(), "v must have the dtype of k (",
+                   k.scalar_type(), "), got ", v.scalar_type());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have the shape of k ", k.sizes(), ", got ",
+                    v.sizes());
+}
+
+void check_budget(int64_t budget, int64_t n_sink, int64_t window) {
+  TORCH_CHECK_VALUE(n_sink >= 0, "n_sink must be >= 0, got ", n_sink);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
+  TORCH_CHECK_VALUE(budget >= 1 && budget >= n_sink + window, "budget (", budget,
+                    ") must be >= 1 and >= n_sink + window (", n_sink, " + ", window, ")");
+}
+
+void check_kernel_size(int64_t kernel_size) {
+  TORCH_CHECK_VALUE(kernel_size >= 1 && kernel_size % 2 == 1,
+                    "kernel_size must be an odd integer >= 1, got ", kernel_size);
+}
+
+WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k,
+                                        const std::optional<at::Tensor>& lse,
+                                        std::optional<double> scale, const std::string& gqa,
+                                        const std::optional<at::Tensor>& seq_lens) {
+  check_tokens(q, "q");
+  check_tokens(k, "k");
+  check_same_device(k, "k", q, "q");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (",
+                   q.scalar_type(), "), got ", k.scalar_type());
+  const int64_t batch = q.size(0), q_heads = q.size(1), window = q.size(2), head_dim = q.size(3);
+  const int64_t kv_heads = k.size(1), length = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == batch, "k batch (", k.size(0), ") must equal q batch (", batch, ")");
+  TORCH_CHECK_VALUE(k.size(3) == head_dim, "k head_dim (", k.size(3), ") must equal q head_dim (",
+                    head_dim, ")");
+  TORCH_CHECK_VALUE(kv_heads >= 1 && q_heads % kv_heads == 0, "q heads (", q_heads,
+                    ") must be a multiple of k heads (", kv_heads, ")");
+  TORCH_CHECK_VALUE(window >= 1, "q must hold at least one window query (q.shape[2] >= 1)");
+  TORCH_CHECK_VALUE(seq_lens.has_value() || window <= length, "q window (", window,
+                    " queries) exceeds the cache length of k (", length, ")");
+  WindowScoresParams p;
+  p.q = const_tokens(q);
+  p.k = const_tokens(k);
+  p.dtype = core_dtype(q, "q");
+  p.batch = batch;
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.length = length;
+  p.window = window;
+  p.head_dim = head_dim;
+  const double scale_value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
+  p.scale = static_cast<float>(scale_value);
+  p.reduce = parse_gqa(gqa);
+  p.seq_lens = seq_lens_data(seq_lens, batch, q);
+  if (lse.has_value()) {
+    const at::Tensor& l = *lse;
+    TORCH_CHECK_TYPE(l.scalar_type() == at::kFloat, "lse must be float32, got ", l.scalar_type());
+    TORCH_CHECK_VALUE(l.dim() == 3 && l.size(0) == batch && l.size(1) == q_heads && l.size(2) == window,
+                      "lse must have shape [", batch, ", ", q_heads, ", ", window, "], got ", l.sizes());
+    TORCH_CHECK_VALUE(l.is_contiguous(), "lse must be contiguous");
+    check_same_device(l, "lse", q, "q");
+    p.lse = l.data_ptr<float>();
+  }
+  return p;
+}
+
+SelectKeepParams select_params(const at::Tensor& scores, int64_t budget, int64_t n_sink,
+                               int64_t window, const std::optional<at::Tensor>& seq_lens) {
+  check_budget(budget, n_sink, window);
+  SelectKeepParams p;
+  p.scores = scores.data_ptr<float>();
+  p.seq_lens = seq_lens_data(seq_lens, scores.size(0), scores);
+  p.batch = scores.size(0);
+  p.heads = scores.size(1);
+  p.length = scores.size(2);
+  p.budget = budget;
+  p.n_sink = n_sink;
+  p.window = window;
+  return p;
+}
+
+GatherKvParams gather_params(const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx,
+                             at::Tensor& out_k, at::Tensor& out_v) {
+  GatherKvParams p;
+  p.k = const_tokens(k);
+  p.v = const_tokens(v);
+  p.keep_idx = idx.data_ptr<int32_t>();
+  p.out_k = mutable_tokens(out_k);
+  p.out_v = mutable_tokens(out_v);
+  p.dtype = core_dtype(k, "k");
+  p.batch = k.size(0);
+  p.heads = k.size(1);
+  p.length = k.size(2);
+  p.budget = idx.size(2);
+  p.head_dim = k.size(3);
+  return p;
+}
+
+void check_index(const at::Tensor& idx, const at::Tensor& k) {
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt, "idx must be int32, got ", idx.scalar_type());
+  TORCH_CHECK_VALUE(idx.dim() == 3 && idx.size(0) == k.size(0) && idx.size(1) == k.size(1),
+                    "idx must have shape [", k.size(0), ", ", k.size(1), ", budget], got ", idx.sizes());
+  TORCH_CHECK_VALUE(idx.is_contiguous(), "idx must be contiguous");
+  check_same_device(idx, "idx", k, "k");
+}
+
+at::Tensor empty_like_kept(const at::Tensor& k, int64_t budget) {
+  return at::empty({k.size(0), k.size(1), budget, k.size(3)}, k.options());
+}
+
+}  // namespace
+
+at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens) {
+  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  const c10::DeviceGuard guard(q.device());
+  at::Tensor scores = at::empty({p.batch, p.kv_heads, p.length}, q.options().dtype(at::kFloat));
+  p.scores = scores.data_ptr<float>();
+  const size_t ws_bytes = be.window_scores_workspace(p);
+  at::Tensor ws = allocate_workspace(ws_bytes, q);
+  check_status(be.window_scores(p, ws.data_ptr(), ws_bytes), "window_scores");
+  return scores;
+}
+
+at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
+                       const std::string& mode, int64_t window,
+                       const std::optional<at::Tensor>& seq_lens) {
+  check_scores(scores, "scores");
+  check_kernel_size(kernel_size);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
+  const c10::DeviceGuard guard(scores.device());
+  at::Tensor out = at::empty_like(scores);
+  PoolScoresParams p;
+  p.scores_in = scores.data_ptr<float>();
+  p.scores_out = out.data_ptr<float>();
+  p.seq_lens = seq_lens_data(seq_lens, scores.size(0), scores);
+  p.batch = scores.size(0);
+  p.heads = scores.size(1);
+  p.length = scores.size(2);
+  p.window = window;
+  p.kernel_size = kernel_size;
+  p.mode = parse_pool(mode, "mode");
+  check_status(be.pool_scores(p), "pool_scores");
+  return out;
+}
+
+at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budget, int64_t n_sink,
+                       int64_t window, const std::optional<at::Tensor>& seq_lens) {
+  check_scores(scores, "scores");
+  SelectKeepParams p = select_params(scores, budget, n_sink, window, seq_lens);
+  const c10::DeviceGuard guard(scores.device());
+  at::Tensor idx = at::empty({p.batch, p.heads, budget}, scores.options().dtype(at::kInt));
+  p.keep_idx = idx.data_ptr<int32_t>();
+  const size_t ws_bytes = be.select_keep_workspace(p);
+  at::Tensor ws = allocate_workspace(ws_bytes, scores);
+  check_status(be.select_keep(p, ws.data_ptr(), ws_bytes), "select_keep");
+  return idx;
+}
+
+void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
+  check_cache_pair(k, v);
+  check_index(idx, k);
+  for (const auto& [out, name] : {std::pair{&out_k, "out_k"}, std::pair{&out_v, "out_v"}}) {
+    check_tokens(*out, name);
+    check_same_device(*out, name, k, "k");
+    TORCH_CHECK_TYPE(out->scalar_type() == k.scalar_type(), name, " must have the dtype of k (",
+                     k.scalar_type(), "), got ", out->scalar_type());
+    TORCH_CHECK_VALUE(out->size(0) == k.size(0) && out->size(1) == k.size(1) &&
+                          out->size(2) == idx.size(2) && out->size(3) == k.size(3),
+                      name, " must have shape [", k.size(0), ", ", k.size(1), ", ", idx.size(2), ", ",
+                      k.size(3), "], got ", out->sizes());
+  }
+  const c10::DeviceGuard guard(k.device());
+  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "gather_kv");
+}
+
+TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& idx) {
+  check_cache_pair(k, v);
+  check_index(idx, k);
+  at::Tensor out_k = empty_like_kept(k, idx.size(2));
+  at::Tensor out_v = empty_like_kept(v, idx.size(2));
+  gather_kv_out(be, k, v, idx, out_k, out_v);
+  return {out_k, out_v};
+}
+
+TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                    int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                    const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                    const std::optional<at::Tensor>& seq_lens) {
+  check_cache_pair(k, v);
+  check_kernel_size(kernel_size);
+  WindowScoresParams score_p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  const c10::DeviceGuard guard(q.device());
+
+  // One workspace: scores [B,Hkv,N] fp32, then each stage's scratch.
+  SelectKeepParams select_p;
+  select_p.seq_lens = score_p.seq_lens;
+  select_p.batch = score_p.batch;
+  select_p.heads = score_p.kv_heads;
+  select_p.length = score_p.length;
+  select_p.budget = budget;
+  select_p.n_sink = n_sink;
+  select_p.window = window;
+  select_p.pool_kernel_size = kernel_size;
+  select_p.pool_mode = parse_pool(pool, "pool");
+  check_budget(budget, n_sink, window);
+  const size_t scores_bytes = align_up(score_p.batch * score_p.kv_heads * score_p.length * sizeof(float));
+  const size_t score_ws = align_up(be.window_scores_workspace(score_p));
+  const size_t select_ws = align_up(be.select_keep_workspace(select_p));
+  at::Tensor ws = allocate_workspace(scores_bytes + std::max(score_ws, select_ws), q);
+  char* base = static_cast<char*>(ws.data_ptr());
+  score_p.scores = reinterpret_cast<float*>(base);
+  check_status(be.window_scores(score_p, base + scores_bytes, score_ws), "snapkv (window scores)");
+
+  at::Tensor idx = at::empty({score_p.batch, score_p.kv_heads, budget}, q.options().dtype(at::kInt));
+  select_p.scores = score_p.scores;
+  select_p.keep_idx = idx.data_ptr<int32_t>();
+  check_status(be.select_keep(select_p, base + scores_bytes, select_ws), "snapkv (select)");
+
+  at::Tensor out_k = empty_like_kept(k, budget);
+  at::Tensor out_v = empty_like_kept(v, budget);
+  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "snapkv (gather)");
+  return {out_k, out_v, idx};
+}
+
+TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
+                       int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
+  check_cache_pair(k, v);
+  check_budget(budget, n_sink, 0);
+  const c10::DeviceGuard guard(k.device());
+  StreamingKeepParams p;
+  p.seq_lens = seq_lens_data(seq_lens, k.size(0), k);
+  p.batch = k.size(0);
+  p.heads = k.size(1);
+  p.length = k.size(2);
+  p.budget = budget;
+  p.n_sink = n_sink;
+  at::Tensor idx = at::empty({p.batch, p.heads, budget}, k.options().dtype(at::kInt));
+  p.keep_idx = idx.data_ptr<int32_t>();
+  check_status(be.streaming_keep(p), "streaming");
+  at::Tensor out_k = empty_like_kept(k, budget);
+  at::Tensor out_v = empty_like_kept(v, budget);
+  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "streaming (gather)");
+  return {out_k, out_v, idx};
+}
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,93 @@
+// The ops, written once against a Backend, plus the template that registers
+// them for one dispatch key (instantiated by ops_cpu.cpp and ops_cuda.cpp).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "torch/backend.h"
+
+namespace kvprune::torch_ext {
+
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// q [B,Hq,W,D], k [B,Hkv,N,D], lse [B,Hq,W] fp32 -> scores fp32 [B,Hkv,N]
+at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens);
+// scores fp32 [B,H,N] -> fp32 [B,H,N]
+at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
+                       const std::string& mode, int64_t window,
+                       const std::optional<at::Tensor>& seq_lens);
+// scores fp32 [B,H,N] -> int32 [B,H,budget]
+at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budget, int64_t n_sink,
+                       int64_t window, const std::optional<at::Tensor>& seq_lens);
+// k, v [B,H,N,D], idx int32 [B,H,budget] -> [B,H,budget,D] each
+TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& idx);
+void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v);
+// -> (k_kept, v_kept, idx)
+TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                    int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                    const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                    const std::optional<at::Tensor>& seq_lens);
+TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
+                       int64_t n_sink, const std::optional<at::Tensor>& seq_lens);
+
+// Registers every op for one dispatch key; MakeBackend() returns a Backend by value.
+template <typename BackendType>
+struct OpsFor {
+  static at::Tensor window_scores_impl(const at::Tensor& q, const at::Tensor& k,
+                                       const std::optional<at::Tensor>& lse,
+                                       std::optional<double> scale, std::string gqa,
+                                       const std::optional<at::Tensor>& seq_lens) {
+    return window_scores(BackendType(), q, k, lse, scale, gqa, seq_lens);
+  }
+  static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
+                                     std::string mode, int64_t window,
+                                     const std::optional<at::Tensor>& seq_lens) {
+    return pool_scores(BackendType(), scores, kernel_size, mode, window, seq_lens);
+  }
+  static at::Tensor select_keep_impl(const at::Tensor& scores, int64_t budget, int64_t n_sink,
+                                     int64_t window, const std::optional<at::Tensor>& seq_lens) {
+    return select_keep(BackendType(), scores, budget, n_sink, window, seq_lens);
+  }
+  static TensorPair gather_kv_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx) {
+    return gather_kv(BackendType(), k, v, idx);
+  }
+  static void gather_kv_out_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx,
+                                 at::Tensor out_k, at::Tensor out_v) {
+    gather_kv_out(BackendType(), k, v, idx, out_k, out_v);
+  }
+  static TensorTriple snapkv_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  int64_t budget, int64_t n_sink, int64_t window,
+                                  int64_t kernel_size, std::string pool, std::string gqa,
+                                  const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                                  const std::optional<at::Tensor>& seq_lens) {
+    return snapkv(BackendType(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
+                  scale, seq_lens);
+  }
+  static TensorTriple streaming_impl(const at::Tensor& k, const at::Tensor& v, int64_t budget,
+                                     int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
+    return streaming(BackendType(), k, v, budget, n_sink, seq_lens);
+  }
+
+  static void register_all(torch::Library& m) {
+    m.impl("window_scores", &window_scores_impl);
+    m.impl("pool_scores", &pool_scores_impl);
+    m.impl("select_keep", &select_keep_impl);
+    m.impl("gather_kv", &gather_kv_impl);
+    m.impl("gather_kv_out", &gather_kv_out_impl);
+    m.impl("snapkv", &snapkv_impl);
+    m.impl("streaming", &streaming_impl);
+  }
+};
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,46 @@
+// CPU backend: the core's CPU kernels on ATen's intra-op thread pool.
+#include <ATen/Parallel.h>
+
+#include "torch/ops.h"
+
+namespace kvprune::torch_ext {
+namespace {
+
+void aten_parallel_for(int64_t n, int64_t grain, void* body_ctx,
+                       void (*body)(void*, int64_t, int64_t, int), void*) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    body(body_ctx, begin, end, at::get_thread_num());
+  });
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend() { exec_.num_workers = at::get_num_threads(); exec_.parallel_for = aten_parallel_for; }
+
+  size_t window_scores_workspace(const WindowScoresParams& p) const override {
+    return window_scores_workspace_bytes_cpu(p, exec_);
+  }
+  Status window_scores(const WindowScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return window_scores_cpu(p, ws, ws_bytes, exec_);
+  }
+  Status pool_scores(const PoolScoresParams& p) const override { return pool_scores_cpu(p, exec_); }
+  size_t select_keep_workspace(const SelectKeepParams& p) const override {
+    return select_keep_workspace_bytes_cpu(p, exec_);
+  }
+  Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const override {
+    return select_keep_cpu(p, ws, ws_bytes, exec_);
+  }
+  Status streaming_keep(const StreamingKeepParams& p) const override {
+    return streaming_keep_cpu(p, exec_);
+  }
+  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cpu(p, exec_); }
+
+ private:
+  CpuExecutor exec_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) { OpsFor<CpuBackend>::register_all(m); }
+
+}  // namespace kvprune::torch_ext

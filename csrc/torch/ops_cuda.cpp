@@ -1,0 +1,40 @@
+// CUDA backend: the core's CUDA kernels on PyTorch's current stream of the
+// tensors' device (the op bodies set the device with a DeviceGuard).
+#include <c10/cuda/CUDAStream.h>
+
+#include "torch/ops.h"
+
+namespace kvprune::torch_ext {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() : stream_(c10::cuda::getCurrentCUDAStream().stream()) {}
+
+  size_t window_scores_workspace(const WindowScoresParams& p) const override {
+    return window_scores_workspace_bytes_cuda(p);
+  }
+  Status window_scores(const WindowScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return window_scores_cuda(p, ws, ws_bytes, stream_);
+  }
+  Status pool_scores(const PoolScoresParams& p) const override { return pool_scores_cuda(p, stream_); }
+  size_t select_keep_workspace(const SelectKeepParams& p) const override {
+    return select_keep_workspace_bytes_cuda(p);
+  }
+  Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const override {
+    return select_keep_cuda(p, ws, ws_bytes, stream_);
+  }
+  Status streaming_keep(const StreamingKeepParams& p) const override {
+    return streaming_keep_cuda(p, stream_);
+  }
+  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream_); }
+
+ private:
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { OpsFor<CudaBackend>::register_all(m); }
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,14 @@
+// Op schemas of the `kvprune` namespace (torch.ops.kvprune.*). Device impls are
+// registered in ops_cpu.cpp / ops_cuda.cpp, fake impls in python/kvprune_cuda/_fake.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(kvprune, m) {
+  m.def("window_scores(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens) -> Tensor");
+  m.def("pool_scores(Tensor scores, int kernel_size, str mode, int window, Tensor? seq_lens) -> Tensor");
+  m.def("select_keep(Tensor scores, int budget, int n_sink, int window, Tensor? seq_lens) -> Tensor");
+  m.def("gather_kv(Tensor k, Tensor v, Tensor idx) -> (Tensor, Tensor)");
+  m.def("gather_kv_out(Tensor k, Tensor v, Tensor idx, Tensor(a!) out_k, Tensor(b!) out_v) -> ()");
+  m.def("snapkv(Tensor q, Tensor k, Tensor v, int budget, int n_sink, int window, int kernel_size, "
+        "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens) -> (Tensor, Tensor, Tensor)");
+  m.def("streaming(Tensor k, Tensor v, int budget, int n_sink, Tensor? seq_lens) -> (Tensor, Tensor, Tensor)");
+}

@@ -1,0 +1,32 @@
+"""kvprune_cuda: KV-cache compression kernels for LLM inference.
+
+StreamingLLM attention sinks + SnapKV observation-window voting with 1-D pooling,
+as PyTorch ops on CPU and CUDA (``torch.ops.kvprune.*``), plus a torch-free C++
+core. See README.md for the semantics; ``kvprune_cuda.reference`` is the spec in
+plain PyTorch.
+"""
+
+from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
+from kvprune_cuda._ops import (
+    KeptKV,
+    build_info,
+    gather_kv,
+    pool_scores,
+    select_keep,
+    snapkv,
+    streaming,
+    window_scores,
+)
+
+__version__ = build_info()["version"]
+
+__all__ = [
+    "KeptKV",
+    "build_info",
+    "gather_kv",
+    "pool_scores",
+    "select_keep",
+    "snapkv",
+    "streaming",
+    "window_scores",
+]

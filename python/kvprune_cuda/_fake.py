@@ -1,0 +1,48 @@
+"""Fake (meta) implementations: output shapes for torch.compile and FakeTensor tracing."""
+
+from __future__ import annotations
+
+import torch
+
+from kvprune_cuda import _C  # noqa: F401  (the op schemas must exist before registering)
+
+
+def _kept(k: torch.Tensor, budget: int) -> torch.Tensor:
+    return k.new_empty((k.shape[0], k.shape[1], budget, k.shape[3]))
+
+
+@torch.library.register_fake("kvprune::window_scores")
+def _window_scores(q, k, lse, scale, gqa, seq_lens):
+    return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
+
+
+@torch.library.register_fake("kvprune::pool_scores")
+def _pool_scores(scores, kernel_size, mode, window, seq_lens):
+    return torch.empty_like(scores)
+
+
+@torch.library.register_fake("kvprune::select_keep")
+def _select_keep(scores, budget, n_sink, window, seq_lens):
+    return scores.new_empty((scores.shape[0], scores.shape[1], budget), dtype=torch.int32)
+
+
+@torch.library.register_fake("kvprune::gather_kv")
+def _gather_kv(k, v, idx):
+    return _kept(k, idx.shape[2]), _kept(v, idx.shape[2])
+
+
+@torch.library.register_fake("kvprune::gather_kv_out")
+def _gather_kv_out(k, v, idx, out_k, out_v):
+    return None
+
+
+@torch.library.register_fake("kvprune::snapkv")
+def _snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens):
+    idx = k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
+    return _kept(k, budget), _kept(v, budget), idx
+
+
+@torch.library.register_fake("kvprune::streaming")
+def _streaming(k, v, budget, n_sink, seq_lens):
+    idx = k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
+    return _kept(k, budget), _kept(v, budget), idx

@@ -1,0 +1,142 @@
+"""Public API: thin, typed wrappers over torch.ops.kvprune.* (checks live in C++)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from kvprune_cuda import _C  # noqa: F401  (loads the library that registers the ops)
+
+_ops = torch.ops.kvprune
+
+
+class KeptKV(NamedTuple):
+    """Compressed cache: k and v [B, Hkv, budget, D], idx int32 [B, Hkv, budget] (ascending, -1 = padding)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    idx: torch.Tensor
+
+
+def build_info() -> dict:
+    """Version, whether CUDA kernels are compiled in (``cuda``), their archs and the build's torch."""
+    return dict(_C.build_info())
+
+
+def window_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    lse: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    gqa: str = "mean",
+    seq_lens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention mass each cached key receives from the last W queries (SnapKV voting).
+
+    Args:
+        q: [B, Hq, W] + [D] post-RoPE queries of each row's last W positions.
+        k: [B, Hkv, N, D] keys (or a [B, N, Hkv, D] tensor viewed with strides); Hq % Hkv == 0.
+        lse: optional fp32 [B, Hq, W] log-sum-exp of each query over its visible keys
+            (as returned by flash attention); skips the normalisation pass.
+        scale: softmax scale, default 1/sqrt(D).
+        gqa: how the G = Hq/Hkv query heads of a KV head combine: "mean", "max" or "sum".
+        seq_lens: optional int32 [B] valid lengths (right padding).
+
+    Returns:
+        fp32 [B, Hkv, N]; positions >= seq_lens[b] are 0.
+    """
+    return _ops.window_scores(q, k, lse, scale, gqa, seq_lens)
+
+
+def pool_scores(
+    scores: torch.Tensor,
+    kernel_size: int = 7,
+    mode: str = "max",
+    *,
+    window: int = 32,
+    seq_lens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Stride-1 1-D pooling of each row's prefix [0, n - window) of fp32 [B, H, N] scores.
+
+    ``mode="max"`` ignores padding; ``"avg"`` counts padding as zeros (divides by
+    kernel_size). Window positions are copied, positions >= n are 0.
+    """
+    return _ops.pool_scores(scores, kernel_size, mode, window, seq_lens)
+
+
+def select_keep(
+    scores: torch.Tensor,
+    budget: int,
+    *,
+    n_sink: int = 4,
+    window: int = 32,
+    seq_lens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Indices to keep per (batch, head) row: int32 [B, H, budget], ascending.
+
+    Sinks [0, n_sink) and the window [n - window, n) are always kept; the other
+    budget - n_sink - window slots take the highest scores (ties: lower position).
+    Rows with n <= budget keep all n positions and pad with -1.
+    """
+    return _ops.select_keep(scores, budget, n_sink, window, seq_lens)
+
+
+def gather_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    out_k: Optional[torch.Tensor] = None,
+    out_v: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compacts K and V to the kept positions: [B, H, budget, D] each (-1 -> zero row).
+
+    ``out_k``/``out_v`` (both or neither) let the caller compact into its own
+    buffers, which may be strided views (e.g. slices of a [B, N, H, D] cache).
+    """
+    if (out_k is None) != (out_v is None):
+        raise ValueError("gather_kv: pass both out_k and out_v, or neither")
+    if out_k is None:
+        return _ops.gather_kv(k, v, idx)
+    _ops.gather_kv_out(k, v, idx, out_k, out_v)
+    return out_k, out_v
+
+
+def snapkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    budget: int,
+    *,
+    n_sink: int = 4,
+    window: int = 32,
+    kernel_size: int = 7,
+    pool: str = "max",
+    gqa: str = "mean",
+    lse: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    seq_lens: Optional[torch.Tensor] = None,
+) -> KeptKV:
+    """Dual-stage compression in one call: sinks + SnapKV voting, pooling, top-k, gather.
+
+    ``window`` is the protected recent window (and pooling boundary); the
+    observation queries are q's W positions. Returns KeptKV(k, v, idx).
+    """
+    out_k, out_v, idx = _ops.snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
+                                    scale, seq_lens)
+    return KeptKV(out_k, out_v, idx)
+
+
+def streaming(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    budget: int,
+    *,
+    n_sink: int = 4,
+    seq_lens: Optional[torch.Tensor] = None,
+) -> KeptKV:
+    """StreamingLLM compression: sinks [0, n_sink) + the last budget - n_sink positions."""
+    out_k, out_v, idx = _ops.streaming(k, v, budget, n_sink, seq_lens)
+    return KeptKV(out_k, out_v, idx)
