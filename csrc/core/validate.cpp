@@ -7,6 +7,9 @@ bool valid_dtype(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
 }
 
+// Positions are stored as int32 indices.
+constexpr int64_t kMaxLength = 2147483647;
+
 bool valid_pool(int64_t kernel_size, PoolMode mode) {
   return kernel_size >= 1 && kernel_size % 2 == 1 &&
          (mode == PoolMode::kMax || mode == PoolMode::kAvg);
@@ -14,13 +17,18 @@ bool valid_pool(int64_t kernel_size, PoolMode mode) {
 
 }  // namespace
 
-Status validate(const WindowScoresParams& p) {
+Status validate_sizes(const WindowScoresParams& p) {
   if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
   if (p.batch < 0 || p.length < 0 || p.window < 1 || p.head_dim < 1) return Status::kInvalidArgument;
   if (p.kv_heads < 1 || p.q_heads < p.kv_heads || p.q_heads % p.kv_heads != 0)
     return Status::kInvalidArgument;
   if (p.reduce != GqaReduce::kMean && p.reduce != GqaReduce::kMax && p.reduce != GqaReduce::kSum)
     return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const WindowScoresParams& p) {
+  if (auto s = validate_sizes(p); s != Status::kOk) return s;
   if (p.batch * p.length > 0 && (p.q.data == nullptr || p.k.data == nullptr || p.scores == nullptr))
     return Status::kInvalidArgument;
   return Status::kOk;
@@ -35,18 +43,23 @@ Status validate(const PoolScoresParams& p) {
   return Status::kOk;
 }
 
-Status validate(const SelectKeepParams& p) {
-  if (p.batch < 0 || p.heads < 0 || p.length < 0) return Status::kInvalidArgument;
+Status validate_sizes(const SelectKeepParams& p) {
+  if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.length > kMaxLength) return Status::kInvalidArgument;
   if (p.n_sink < 0 || p.window < 0 || p.budget < p.n_sink + p.window || p.budget < 1)
     return Status::kInvalidArgument;
   if (!valid_pool(p.pool_kernel_size, p.pool_mode)) return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const SelectKeepParams& p) {
+  if (auto s = validate_sizes(p); s != Status::kOk) return s;
   if (p.batch * p.heads > 0 && p.keep_idx == nullptr) return Status::kInvalidArgument;
   if (p.batch * p.heads * p.length > 0 && p.scores == nullptr) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
 Status validate(const StreamingKeepParams& p) {
-  if (p.batch < 0 || p.heads < 0 || p.length < 0) return Status::kInvalidArgument;
+  if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.length > kMaxLength) return Status::kInvalidArgument;
   if (p.n_sink < 0 || p.budget < p.n_sink || p.budget < 1) return Status::kInvalidArgument;
   if (p.batch * p.heads > 0 && p.keep_idx == nullptr) return Status::kInvalidArgument;
   return Status::kOk;
@@ -61,6 +74,13 @@ Status validate(const GatherKvParams& p) {
     return Status::kInvalidArgument;
   if (p.batch * p.heads * p.length > 0 && (p.k.data == nullptr || p.v.data == nullptr))
     return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate_seq_lens_host(const int32_t* seq_lens, int64_t batch, int64_t length) {
+  if (seq_lens == nullptr) return Status::kOk;
+  for (int64_t b = 0; b < batch; ++b)
+    if (seq_lens[b] < 0 || seq_lens[b] > length) return Status::kInvalidArgument;
   return Status::kOk;
 }
 

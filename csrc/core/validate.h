@@ -9,9 +9,15 @@
 namespace kvprune {
 
 Status validate(const WindowScoresParams& p);
+// Sizes and options only (pointers may still be null): for workspace queries.
+Status validate_sizes(const WindowScoresParams& p);
+Status validate_sizes(const SelectKeepParams& p);
 Status validate(const PoolScoresParams& p);
 Status validate(const SelectKeepParams& p);
 Status validate(const StreamingKeepParams& p);
 Status validate(const GatherKvParams& p);
+
+// CPU only (host memory): every seq_lens[b] lies in [0, length]. Null is valid.
+Status validate_seq_lens_host(const int32_t* seq_lens, int64_t batch, int64_t length);
 
 }  // namespace kvprune

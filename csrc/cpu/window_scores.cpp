@@ -185,16 +185,14 @@ void load_lse(const WindowScoresParams& p, int64_t b, int64_t g, int64_t mp, flo
 }  // namespace
 
 size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuExecutor& exec) {
-  if (validate(p) != Status::kOk) return 0;
+  if (validate_sizes(p) != Status::kOk) return 0;
   return Workspace(p, cpu::num_workers(exec), nullptr).floats * sizeof(float);
 }
 
 Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
                          const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
-  if (p.seq_lens != nullptr)
-    for (int64_t b = 0; b < p.batch; ++b)
-      if (p.seq_lens[b] < 0 || p.seq_lens[b] > p.length) return Status::kInvalidArgument;
+  if (auto s = validate_seq_lens_host(p.seq_lens, p.batch, p.length); s != Status::kOk) return s;
   const int workers = cpu::num_workers(exec);
   const Workspace ws(p, workers, static_cast<float*>(workspace));
   if (workspace_bytes < ws.floats * sizeof(float)) return Status::kWorkspaceTooSmall;

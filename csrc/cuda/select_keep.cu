@@ -237,7 +237,7 @@ __global__ __launch_bounds__(kBlock) void scatter_keep_kernel(SelectArgs a) {
 }  // namespace
 
 size_t select_keep_workspace_bytes_cuda(const SelectKeepParams& p) {
-  if (validate(p) != Status::kOk) return 0;
+  if (validate_sizes(p) != Status::kOk) return 0;
   const SelectPlan plan = plan_select(p);
   return plan.hist_bytes + plan.counts_bytes;
 }

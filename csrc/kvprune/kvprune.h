@@ -1,7 +1,8 @@
 // Entry points of the torch-free core. Include this header and link the
 // `kvprune::core` CMake target. Every function validates its parameters and
 // returns a Status; none throws, exits or allocates memory (scratch space comes
-// from the caller, sized by the *_workspace_bytes queries).
+// from the caller, sized by the *_workspace_bytes queries, which read only the
+// sizes and options of their params, so pointers may still be null then).
 #pragma once
 
 #include <cstddef>

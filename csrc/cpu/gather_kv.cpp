@@ -1,0 +1,64 @@
+// CPU gather_kv: out[b,h,t,:] = src[b,h,keep_idx[b,h,t],:] for K and V; an index
+// outside [0, length) writes a zero row. Rows are copied as raw bytes, so every
+// dtype shares one path. Parallel over (batch, head, token chunk).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "core/validate.h"
+#include "cpu/parallel.h"
+#include "kvprune/kvprune.h"
+
+namespace kvprune {
+namespace {
+
+// Tokens per task: about this many bytes of K and V copied.
+constexpr int64_t kBytesPerTask = 1 << 16;
+
+// Tokens [t0, t1) of row (b, h). src: [batch, heads, length, head_dim];
+// dst: [batch, heads, budget, head_dim]; idx: [budget] indices of this row;
+// elem and row_bytes in bytes.
+void gather_tokens(const ConstTokens& src, const MutableTokens& dst, const int32_t* idx,
+                   int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t length, int64_t elem,
+                   int64_t row_bytes) {
+  const char* src_row = static_cast<const char*>(src.data) +
+                        (b * src.batch_stride + h * src.head_stride) * elem;
+  char* dst_row =
+      static_cast<char*>(dst.data) + (b * dst.batch_stride + h * dst.head_stride) * elem;
+  for (int64_t t = t0; t < t1; ++t) {
+    char* out = dst_row + t * dst.token_stride * elem;
+    const int64_t j = idx[t];
+    if (j >= 0 && j < length) {
+      std::memcpy(out, src_row + j * src.token_stride * elem, static_cast<size_t>(row_bytes));
+    } else {
+      std::memset(out, 0, static_cast<size_t>(row_bytes));
+    }
+  }
+}
+
+}  // namespace
+
+Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec) {
+  if (auto s = validate(p); s != Status::kOk) return s;
+  const int64_t rows = p.batch * p.heads;
+  if (rows * p.budget == 0) return Status::kOk;
+
+  const int64_t elem = dtype_size(p.dtype);
+  const int64_t row_bytes = p.head_dim * elem;
+  const int64_t chunk = std::clamp<int64_t>(kBytesPerTask / (2 * row_bytes), 1, p.budget);
+  const int64_t chunks_per_row = (p.budget + chunk - 1) / chunk;
+  cpu::parallel_for(exec, rows * chunks_per_row, 1, [&](int64_t begin, int64_t end, int) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / chunks_per_row;
+      const int64_t b = row / p.heads, h = row % p.heads;
+      const int64_t t0 = (task % chunks_per_row) * chunk;
+      const int64_t t1 = std::min(t0 + chunk, p.budget);
+      const int32_t* idx = p.keep_idx + row * p.budget;  // [budget]
+      gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, row_bytes);
+      gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, row_bytes);
+    }
+  });
+  return Status::kOk;
+}
+
+}  // namespace kvprune
