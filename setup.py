@@ -5,10 +5,11 @@
 Environment:
     KVPRUNE_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a")
     KVPRUNE_ENABLE_CUDA  0 to build the CPU backend only even where nvcc exists
-    KVPRUNE_BUILD_DIR    reuse a build directory (default: a per-interpreter folder under build/)
+    KVPRUNE_BUILD_DIR    build directory (default: a per-interpreter folder under build/)
     MAX_JOBS             parallel compile jobs (default: CPU count)
 """
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -29,7 +30,9 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        tag = f"py{sys.version_info.major}{sys.version_info.minor}-{sysconfig.get_platform()}"
+        # One build folder per interpreter (each may hold a different torch).
+        interpreter = hashlib.sha1(sys.executable.encode()).hexdigest()[:8]
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}-{sysconfig.get_platform()}-{interpreter}"
         build_dir = Path(os.environ.get("KVPRUNE_BUILD_DIR", ROOT / "build" / tag))
         build_dir.mkdir(parents=True, exist_ok=True)
         enable_cuda = os.environ.get("KVPRUNE_ENABLE_CUDA", "1") not in ("0", "OFF", "off", "")

@@ -1,0 +1,316 @@
+// CUDA window_scores (DESIGN §1 stage 2, §5): SnapKV observation-window voting.
+//
+// Paths
+//  * tensor cores (window_scores_mma.cuh): fp16/bf16, head_dim 64/128/256, q and k
+//    pointers and strides in 16-byte multiples, and one query head's rows fit in
+//    shared memory;
+//  * CUDA cores (window_scores_simt.cuh): everything else.
+// Passes
+//  * lse given: one probs pass writes the scores;
+//  * no lse: a stats pass writes per-chunk softmax states, a combine kernel turns
+//    them into lse, then the probs pass runs on that lse.
+// When the tensor-core path spreads a group's query heads over several CTAs (too
+// many rows for shared memory), the probs pass writes one score array per split
+// into the workspace and a split-reduce kernel finishes the scores.
+//
+// Workspace layout (only the parts needed, each 256-byte aligned):
+//   stats    float2 [num_chunks, batch*q_heads*window]   no lse
+//   lse      float  [batch, q_heads, window]              no lse
+//   partial  float  [splits, batch, kv_heads, length]     splits > 1
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/validate.h"
+#include "cuda/window_scores_mma.cuh"
+#include "cuda/window_scores_reduce.cuh"
+#include "cuda/window_scores_simt.cuh"
+#include "kvprune/kvprune.h"
+
+namespace kvprune {
+namespace {
+
+using window_scores_impl::KernelArgs;
+using window_scores_impl::MmaShape;
+using window_scores_impl::Pass;
+using window_scores_impl::SimtShape;
+
+// ---- launch heuristics ----------------------------------------------------------
+constexpr int64_t kTargetCtasPerSm = 4;     // key chunks are sized for about this many CTAs
+constexpr int64_t kMaxTilesPerChunk = 64;   // key tiles one CTA walks at most
+constexpr int kReduceThreads = 256;         // threads per CTA of the small kernels
+constexpr int64_t kMaxGridX = 0x7fffffff;
+constexpr int64_t kMaxGridY = 65535;
+// Key positions are 32-bit in the kernels; one chunk past the end must still fit.
+constexpr int64_t kMaxLength = INT32_MAX - kMaxTilesPerChunk * MmaShape<64>::kTileKeys;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+size_t align_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct DeviceLimits {
+  int64_t sm_count = 0;
+  int64_t max_smem_per_cta = 0;  // opt-in dynamic shared memory
+};
+
+bool query_device_limits(DeviceLimits* limits) {
+  int device = 0, sm_count = 0, smem = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return false;
+  *limits = {sm_count, smem};
+  return true;
+}
+
+// How one pass is cut into CTAs: grid (num_chunks * batch * kv_heads, splits).
+struct PassPlan {
+  bool fits = false;           // tensor cores: one query head's rows fit in shared memory
+  int64_t tile_keys = 0;       // keys per CTA iteration
+  int64_t tiles_per_chunk = 1; // key tiles per CTA
+  int64_t num_chunks = 0;      // CTAs along the keys of one (batch, kv head)
+  int64_t heads_per_cta = 0;   // query heads of a group per CTA
+  int64_t splits = 1;          // CTAs along the query heads of a group
+  size_t smem_bytes = 0;       // dynamic shared memory per CTA
+};
+
+struct Plan {
+  bool tensor_cores = false;
+  PassPlan stats;  // pass 1, only without lse
+  PassPlan probs;  // pass 2
+};
+
+int64_t group_size(const WindowScoresParams& p) { return p.q_heads / p.kv_heads; }
+
+PassPlan simt_plan(const WindowScoresParams& p) {
+  PassPlan plan;
+  plan.fits = true;
+  plan.tile_keys = SimtShape::kTileKeys;
+  plan.num_chunks = ceil_div(p.length, plan.tile_keys);
+  plan.heads_per_cta = group_size(p);
+  return plan;
+}
+
+template <int kHeadDim>
+PassPlan mma_plan(const WindowScoresParams& p, Pass pass, const DeviceLimits& dev) {
+  using Shape = MmaShape<kHeadDim>;
+  PassPlan plan;
+  const int64_t group = group_size(p);
+  const int64_t head_bytes = 16 * ceil_div(p.window, 16) * Shape::row_bytes(pass);
+  const int64_t heads_that_fit = std::min(group, dev.max_smem_per_cta / head_bytes);
+  if (heads_that_fit < 1) return plan;
+  plan.fits = true;
+  plan.splits = ceil_div(group, heads_that_fit);
+  plan.heads_per_cta = ceil_div(group, plan.splits);
+  plan.smem_bytes = static_cast<size_t>(plan.heads_per_cta * head_bytes);
+  plan.tile_keys = Shape::kTileKeys;
+  const int64_t tiles = ceil_div(p.length, plan.tile_keys);
+  const int64_t work = tiles * p.batch * p.kv_heads * plan.splits;
+  plan.tiles_per_chunk = std::clamp(ceil_div(work, kTargetCtasPerSm * dev.sm_count), int64_t{1},
+                                    std::min(tiles, kMaxTilesPerChunk));
+  plan.num_chunks = ceil_div(tiles, plan.tiles_per_chunk);
+  return plan;
+}
+
+PassPlan mma_plan_for_dim(const WindowScoresParams& p, Pass pass, const DeviceLimits& dev) {
+  switch (p.head_dim) {
+    case 64: return mma_plan<64>(p, pass, dev);
+    case 128: return mma_plan<128>(p, pass, dev);
+    default: return mma_plan<256>(p, pass, dev);
+  }
+}
+
+bool mma_dtype_and_dim(const WindowScoresParams& p) {
+  return (p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16) &&
+         (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256);
+}
+
+// 16-byte fragments: base pointer and every stride that matters in 8-element multiples.
+bool mma_aligned(const ConstTokens& t, int64_t batch, int64_t heads, int64_t tokens) {
+  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (batch == 1 || t.batch_stride % 8 == 0) &&
+         (heads == 1 || t.head_stride % 8 == 0) && (tokens == 1 || t.token_stride % 8 == 0);
+}
+
+// check_alignment = false plans as if the pointers and strides were aligned (the
+// workspace query covers both paths).
+Plan make_plan(const WindowScoresParams& p, const DeviceLimits& dev, bool check_alignment) {
+  Plan plan;
+  if (mma_dtype_and_dim(p) &&
+      (!check_alignment || (mma_aligned(p.q, p.batch, p.q_heads, p.window) &&
+                            mma_aligned(p.k, p.batch, p.kv_heads, p.length)))) {
+    plan.probs = mma_plan_for_dim(p, Pass::kProbs, dev);
+    if (p.lse == nullptr) plan.stats = mma_plan_for_dim(p, Pass::kStats, dev);
+    plan.tensor_cores = plan.probs.fits && (p.lse != nullptr || plan.stats.fits);
+  }
+  if (!plan.tensor_cores) plan.stats = plan.probs = simt_plan(p);
+  return plan;
+}
+
+struct WorkspaceLayout {  // byte offsets into the workspace
+  size_t stats = 0;
+  size_t lse = 0;
+  size_t partial = 0;
+  size_t total = 0;
+};
+
+WorkspaceLayout workspace_layout(const WindowScoresParams& p, const Plan& plan) {
+  WorkspaceLayout layout;
+  const size_t rows_total = static_cast<size_t>(p.batch * p.q_heads * p.window);
+  size_t offset = 0;
+  if (p.lse == nullptr) {
+    layout.stats = offset;
+    offset = align_256(offset + static_cast<size_t>(plan.stats.num_chunks) * rows_total * sizeof(float2));
+    layout.lse = offset;
+    offset = align_256(offset + rows_total * sizeof(float));
+  }
+  if (plan.probs.splits > 1) {
+    layout.partial = offset;
+    offset += static_cast<size_t>(plan.probs.splits * p.batch * p.kv_heads * p.length) * sizeof(float);
+  }
+  layout.total = offset;
+  return layout;
+}
+
+bool grid_fits(const WindowScoresParams& p, const PassPlan& plan) {
+  return plan.num_chunks * p.batch * p.kv_heads <= kMaxGridX && plan.splits <= kMaxGridY &&
+         plan.tiles_per_chunk <= INT32_MAX;
+}
+
+KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
+  KernelArgs a{};
+  a.q = p.q.data;
+  a.q_batch_stride = p.q.batch_stride;
+  a.q_head_stride = p.q.head_stride;
+  a.q_token_stride = p.q.token_stride;
+  a.k = p.k.data;
+  a.k_batch_stride = p.k.batch_stride;
+  a.k_head_stride = p.k.head_stride;
+  a.k_token_stride = p.k.token_stride;
+  a.lse = p.lse;
+  a.seq_lens = p.seq_lens;
+  a.length = static_cast<int>(p.length);
+  a.batch = static_cast<int>(p.batch);
+  a.q_heads = static_cast<int>(p.q_heads);
+  a.kv_heads = static_cast<int>(p.kv_heads);
+  a.group = static_cast<int>(group_size(p));
+  a.window = static_cast<int>(p.window);
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.reduce_max = p.reduce == GqaReduce::kMax ? 1 : 0;
+  a.scale_log2 = p.scale * window_scores_impl::kLog2e;
+  a.out_scale = 1.f;
+  a.heads_per_cta = static_cast<int>(plan.heads_per_cta);
+  a.tiles_per_chunk = static_cast<int>(plan.tiles_per_chunk);
+  a.num_chunks = static_cast<int>(plan.num_chunks);
+  return a;
+}
+
+template <typename T, int kHeadDim, Pass kPass>
+cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
+                       cudaStream_t stream) {
+  const auto kernel = window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(plan.num_chunks * rows_bh), static_cast<unsigned>(plan.splits));
+  kernel<<<grid, MmaShape<kHeadDim>::kThreads, plan.smem_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, Pass kPass>
+cudaError_t launch_simt(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
+                        cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>(plan.num_chunks * rows_bh);
+  window_scores_impl::window_scores_simt_kernel<T, kPass><<<grid, SimtShape::kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <Pass kPass>
+cudaError_t launch_pass(const WindowScoresParams& p, bool tensor_cores, const KernelArgs& a,
+                        const PassPlan& plan, cudaStream_t stream) {
+  const int64_t rows_bh = p.batch * p.kv_heads;
+  if (!tensor_cores) {
+    switch (p.dtype) {
+      case DType::kFloat16: return launch_simt<__half, kPass>(a, plan, rows_bh, stream);
+      case DType::kBFloat16: return launch_simt<__nv_bfloat16, kPass>(a, plan, rows_bh, stream);
+      default: return launch_simt<float, kPass>(a, plan, rows_bh, stream);
+    }
+  }
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  switch (p.head_dim) {
+    case 64:
+      return bf16 ? launch_mma<__nv_bfloat16, 64, kPass>(a, plan, rows_bh, stream)
+                  : launch_mma<__half, 64, kPass>(a, plan, rows_bh, stream);
+    case 128:
+      return bf16 ? launch_mma<__nv_bfloat16, 128, kPass>(a, plan, rows_bh, stream)
+                  : launch_mma<__half, 128, kPass>(a, plan, rows_bh, stream);
+    default:
+      return bf16 ? launch_mma<__nv_bfloat16, 256, kPass>(a, plan, rows_bh, stream)
+                  : launch_mma<__half, 256, kPass>(a, plan, rows_bh, stream);
+  }
+}
+
+unsigned small_kernel_blocks(int64_t items, const DeviceLimits& dev) {
+  return static_cast<unsigned>(
+      std::clamp(ceil_div(items, kReduceThreads), int64_t{1}, 32 * dev.sm_count));
+}
+
+}  // namespace
+
+size_t window_scores_workspace_bytes_cuda(const WindowScoresParams& p) {
+  if (validate_sizes(p) != Status::kOk || p.batch == 0 || p.length == 0) return 0;
+  DeviceLimits dev;
+  if (!query_device_limits(&dev)) return 0;
+  const Plan simt{false, simt_plan(p), simt_plan(p)};
+  return std::max(workspace_layout(p, make_plan(p, dev, false)).total,
+                  workspace_layout(p, simt).total);
+}
+
+Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  if (auto s = validate(p); s != Status::kOk) return s;
+  if (workspace_bytes < window_scores_workspace_bytes_cuda(p)) return Status::kWorkspaceTooSmall;
+  if (p.batch == 0 || p.length == 0) return Status::kOk;
+  if (p.length > kMaxLength || p.head_dim > INT32_MAX || p.batch * p.kv_heads > INT32_MAX ||
+      p.q_heads * p.window > INT32_MAX)
+    return Status::kInvalidArgument;
+  DeviceLimits dev;
+  if (!query_device_limits(&dev)) return Status::kCudaError;
+  const Plan plan = make_plan(p, dev, true);
+  if (!grid_fits(p, plan.probs) || (p.lse == nullptr && !grid_fits(p, plan.stats)))
+    return Status::kInvalidArgument;
+  const WorkspaceLayout layout = workspace_layout(p, plan);
+  if (layout.total > 0 && (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 8 != 0))
+    return Status::kInvalidArgument;  // the stats are float2
+  char* ws = static_cast<char*>(workspace);
+  const float mean_scale = p.reduce == GqaReduce::kMean ? 1.f / static_cast<float>(group_size(p)) : 1.f;
+
+  KernelArgs probs = pass_args(p, plan.probs);
+  if (p.lse == nullptr) {
+    KernelArgs stats = pass_args(p, plan.stats);
+    stats.stats = reinterpret_cast<float2*>(ws + layout.stats);
+    if (launch_pass<Pass::kStats>(p, plan.tensor_cores, stats, plan.stats, stream) != cudaSuccess)
+      return Status::kCudaError;
+    const int64_t rows_total = p.batch * p.q_heads * p.window;
+    float* lse = reinterpret_cast<float*>(ws + layout.lse);
+    window_scores_impl::window_scores_lse_combine_kernel<<<small_kernel_blocks(rows_total, dev),
+                                                           kReduceThreads, 0, stream>>>(
+        stats.stats, p.seq_lens, lse, rows_total, p.q_heads * p.window, stats.length,
+        static_cast<int>(plan.stats.tiles_per_chunk * plan.stats.tile_keys));
+    probs.lse = lse;
+  }
+  const bool split = plan.probs.splits > 1;
+  float* partial = reinterpret_cast<float*>(ws + layout.partial);
+  probs.out = split ? partial : p.scores;
+  probs.out_scale = split ? 1.f : mean_scale;
+  if (launch_pass<Pass::kProbs>(p, plan.tensor_cores, probs, plan.probs, stream) != cudaSuccess)
+    return Status::kCudaError;
+  if (split) {
+    const int64_t count = p.batch * p.kv_heads * p.length;
+    window_scores_impl::window_scores_split_reduce_kernel<<<small_kernel_blocks(count, dev),
+                                                            kReduceThreads, 0, stream>>>(
+        partial, p.scores, count, static_cast<int>(plan.probs.splits), probs.reduce_max, mean_scale);
+  }
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+}
+
+}  // namespace kvprune

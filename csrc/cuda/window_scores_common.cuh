@@ -1,0 +1,87 @@
+// Device pieces shared by the window_scores kernels (launchers: window_scores.cu).
+//
+// Softmax statistics are kept in log2 units: a row's partial state is
+// (m, l) = (max_j x_j, sum_j exp2(x_j - m)) with x_j = q.k_j * scale * log2(e).
+// An empty state is (-inf, 0).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvprune::window_scores_impl {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Pass 1 (no lse given) gathers per-row softmax statistics; pass 2 accumulates
+// the GQA-reduced probabilities into the scores.
+enum class Pass : int { kStats = 0, kProbs = 1 };
+
+// Everything a window_scores kernel needs. Sizes follow WindowScoresParams.
+struct KernelArgs {
+  const void* q;  // [batch, q_heads, window, head_dim], last dim contiguous
+  int64_t q_batch_stride;
+  int64_t q_head_stride;
+  int64_t q_token_stride;
+  const void* k;  // [batch, kv_heads, length, head_dim], last dim contiguous
+  int64_t k_batch_stride;
+  int64_t k_head_stride;
+  int64_t k_token_stride;
+  const float* lse;         // [batch, q_heads, window] natural-log LSE (Pass::kProbs)
+  const int32_t* seq_lens;  // [batch] or null
+  float2* stats;            // out: [num_chunks, batch*q_heads*window] (m, l) (Pass::kStats)
+  float* out;               // out: [splits, batch, kv_heads, length] scores (Pass::kProbs)
+  int length;               // N (the launcher guarantees length + key tile < 2^31)
+  int batch;
+  int q_heads;
+  int kv_heads;
+  int group;  // q_heads / kv_heads
+  int window;
+  int head_dim;
+  int reduce_max;    // 1: max over the heads of a group, 0: sum
+  float scale_log2;  // scale * log2(e)
+  float out_scale;   // 1/group for a finished mean, else 1
+  int heads_per_cta;     // query heads of a group handled by one CTA (tensor-core path)
+  int tiles_per_chunk;   // key tiles handled by one CTA
+  int num_chunks;        // CTAs along the keys of one (batch, kv head)
+};
+
+// Valid length of batch row b: seq_lens[b] clamped to [0, length], or length.
+// seq_lens: [batch] int32 or null.
+__device__ __forceinline__ int window_scores_row_length(const int32_t* seq_lens, int b, int length) {
+  if (seq_lens == nullptr) return length;
+  const int n = __ldg(seq_lens + b);
+  return n < 0 ? 0 : (n > length ? length : n);
+}
+
+// Last key position that window query i of a row of length n sees, or -1 when it
+// sees none (padded query i >= window, or position n - window + i < 0).
+__device__ __forceinline__ int window_scores_last_key(int n, int window, int i) {
+  const int position = n - window + i;
+  return (i < window && position >= 0) ? position : -1;
+}
+
+__device__ __forceinline__ float window_scores_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Combines two softmax states (m, l); either may be empty (-inf, 0).
+__device__ __forceinline__ float2 window_scores_merge(float2 a, float2 b) {
+  if (b.x == -INFINITY) return a;
+  if (a.x == -INFINITY) return b;
+  const float m = fmaxf(a.x, b.x);
+  return make_float2(m, a.y * window_scores_exp2(a.x - m) + b.y * window_scores_exp2(b.x - m));
+}
+
+__device__ __forceinline__ float window_scores_to_float(float x) { return x; }
+__device__ __forceinline__ float window_scores_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float window_scores_to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+}  // namespace kvprune::window_scores_impl

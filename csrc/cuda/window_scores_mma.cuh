@@ -1,0 +1,295 @@
+// Tensor-core window_scores kernel: fp16/bf16, head_dim 64, 128 or 256.
+//
+// One CTA = one (batch row, KV head, chunk of consecutive key tiles, split of the
+// group's query heads; one split unless the rows overflow shared memory). The CTA
+// stages its query rows in shared memory once; then every warp loads the K
+// fragments of its own kWarpKeys keys into registers and sweeps all query rows
+// with mma.sync m16n8k16 (fp32 accumulate). K is read from memory exactly once.
+//
+// Rows: each query head's W queries are padded to 16 * ceil(W / 16) rows, so an
+// m16 tile never straddles two heads; padded rows see no key. Rows are ordered
+// head-major, so a head's per-key sum is complete after its last m16 tile.
+//
+// Dimension order: within each 32-dim chunk c, lane (g = lane / 4, t = lane % 4)
+// holds dims 32c + 8t .. 8t + 7 of its row as one 16-byte vector; the first half
+// feeds k-step 2c, the second half k-step 2c + 1. Q and K use the same
+// permutation of the reduction dimension, so every dot product is unchanged and
+// every fragment is a single 16-byte load.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/window_scores_common.cuh"
+
+namespace kvprune::window_scores_impl {
+
+template <int kHeadDim>
+struct MmaShape {
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kKeyTiles = kHeadDim == 256 ? 2 : 4;  // n8 tiles per warp
+  static constexpr int kWarpKeys = 8 * kKeyTiles;
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per CTA iteration
+  static constexpr int kDimChunks = kHeadDim / 32;
+  // Shared-memory bytes per staged query row (Q fragments, last visible key, lse
+  // or per-warp softmax states).
+  static constexpr int64_t row_bytes(Pass pass) {
+    return 2 * kHeadDim + 4 + (pass == Pass::kProbs ? 4 : 8 * kWarps);
+  }
+};
+
+// acc += A (16x16, row-major) * B (16x8, col-major), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void window_scores_mma(float (&acc)[4], uint32_t a0, uint32_t a1,
+                                                  uint32_t a2, uint32_t a3, uint32_t b0,
+                                                  uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "fp16 or bf16 only");
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Logits of one m16 tile against the warp's keys. acc[nt][0..1]: row g, keys
+// nt*8 + 2t + {0,1}; acc[nt][2..3]: row g + 8, same keys.
+// q_tile: this m16 tile's fragments [kDimChunks][2][32] in shared memory.
+// k_frag: the warp's K fragments [kDimChunks][kKeyTiles] (this lane's part).
+template <typename T, int kDimChunks, int kKeyTiles>
+__device__ __forceinline__ void window_scores_logits(const uint4* q_tile,
+                                                     const uint4 (&k_frag)[kDimChunks][kKeyTiles],
+                                                     float (&acc)[kKeyTiles][4]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int c = 0; c < kDimChunks; ++c) {
+    const uint4 row_lo = q_tile[c * 64 + lane];       // row g
+    const uint4 row_hi = q_tile[c * 64 + 32 + lane];  // row g + 8
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      const uint4 kv = k_frag[c][nt];
+      window_scores_mma<T>(acc[nt], row_lo.x, row_hi.x, row_lo.y, row_hi.y, kv.x, kv.y);
+      window_scores_mma<T>(acc[nt], row_lo.z, row_hi.z, row_lo.w, row_hi.w, kv.z, kv.w);
+    }
+  }
+}
+
+// Sum of v over the 8 lanes that share this lane's key columns (same t).
+__device__ __forceinline__ float window_scores_column_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  return v;
+}
+
+// Column sums of a lane's per-key partials over the 8 lanes of its key columns,
+// returning the one of key column (g/2)*8 + 2t + g%2 that lane (g, t) owns
+// (0 for lanes with g >= 2 * kKeyTiles).
+template <int kKeyTiles>
+__device__ __forceinline__ float window_scores_own_column_sum(const float (&partial)[kKeyTiles][2]) {
+  const int g = (threadIdx.x & 31) >> 2;
+  float own = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float v = window_scores_column_sum(partial[nt][e]);
+      if (nt * 2 + e == g) own = v;
+    }
+  }
+  return own;
+}
+
+template <typename T, int kHeadDim, Pass kPass>
+__global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
+    window_scores_mma_kernel(const KernelArgs a) {
+  using Shape = MmaShape<kHeadDim>;
+  constexpr int kKeyTiles = Shape::kKeyTiles;
+  constexpr int kDimChunks = Shape::kDimChunks;
+  constexpr int kWarpKeys = Shape::kWarpKeys;
+  constexpr int kTileKeys = Shape::kTileKeys;
+  extern __shared__ uint4 window_scores_smem[];
+
+  const int chunk = blockIdx.x % a.num_chunks;
+  const int bh = blockIdx.x / a.num_chunks;  // batch * kv_heads + kv head
+  const int b = bh / a.kv_heads;
+  const int kv_head = bh % a.kv_heads;
+  const int n = window_scores_row_length(a.seq_lens, b, a.length);
+  const int first_key = chunk * a.tiles_per_chunk * kTileKeys;  // this CTA's keys
+  const int end_key = min(first_key + a.tiles_per_chunk * kTileKeys, a.length);
+  float* out = nullptr;  // this (split, batch, kv head)'s scores [length]
+  if constexpr (kPass == Pass::kProbs) {
+    out = a.out + (blockIdx.y * static_cast<int64_t>(a.batch) * a.kv_heads + bh) * a.length;
+  }
+  if (first_key >= n) {  // the chunk holds no valid key
+    if constexpr (kPass == Pass::kProbs) {
+      for (int key = first_key + threadIdx.x; key < end_key; key += Shape::kThreads) out[key] = 0.f;
+    }
+    return;
+  }
+
+  const int head0 = blockIdx.y * a.heads_per_cta;  // first query head of the group in this CTA
+  const int rows_per_head = 16 * ((a.window + 15) / 16);
+  const int rows = min(a.heads_per_cta, a.group - head0) * rows_per_head;
+  const int64_t q_head0 = static_cast<int64_t>(b) * a.q_heads + kv_head * a.group + head0;
+
+  // Shared memory: Q fragments [rows/16][kDimChunks][2][32] uint4, then the last
+  // visible key per row [rows] int, then lse*log2(e) per row [rows] (kProbs) or
+  // per-warp softmax states [kWarps][rows] (kStats).
+  uint4* q_frag = window_scores_smem;
+  int* row_last_key = reinterpret_cast<int*>(q_frag + rows / 16 * kDimChunks * 64);
+  float* row_lse2 = reinterpret_cast<float*>(row_last_key + rows);
+  float2* warp_states = reinterpret_cast<float2*>(row_last_key + rows);
+
+  const T* q_rows = static_cast<const T*>(a.q) + b * a.q_batch_stride +
+                    static_cast<int64_t>(kv_head * a.group + head0) * a.q_head_stride;
+  for (int s = threadIdx.x; s < rows / 16 * kDimChunks * 64; s += Shape::kThreads) {
+    const int lane = s & 31;
+    const int row = (s >> 6) / kDimChunks * 16 + (lane >> 2) + 8 * ((s >> 5) & 1);
+    const int dim = (s >> 6) % kDimChunks * 32 + (lane & 3) * 8;
+    const int i = row % rows_per_head;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (i < a.window) {
+      const T* src = q_rows + (row / rows_per_head) * a.q_head_stride + i * a.q_token_stride + dim;
+      v = __ldg(reinterpret_cast<const uint4*>(src));
+    }
+    q_frag[s] = v;
+  }
+  for (int row = threadIdx.x; row < rows; row += Shape::kThreads) {
+    const int i = row % rows_per_head;
+    const int last_key = window_scores_last_key(n, a.window, i);
+    row_last_key[row] = last_key;
+    if constexpr (kPass == Pass::kProbs) {
+      const int64_t q_row = (q_head0 + row / rows_per_head) * a.window + i;
+      row_lse2[row] = last_key >= 0 ? __ldg(a.lse + q_row) * kLog2e : 0.f;
+    } else {
+      for (int w = 0; w < Shape::kWarps; ++w) warp_states[w * rows + row] = make_float2(-INFINITY, 0.f);
+    }
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const T* k_rows = static_cast<const T*>(a.k) + b * a.k_batch_stride + kv_head * a.k_head_stride;
+
+  for (int tile_key0 = first_key; tile_key0 < end_key; tile_key0 += kTileKeys) {
+    const int warp_key0 = tile_key0 + warp * kWarpKeys;
+    if (warp_key0 >= n) {  // every key of this warp is past the row's end
+      if constexpr (kPass == Pass::kProbs) {
+        if (lane < kWarpKeys && warp_key0 + lane < a.length) out[warp_key0 + lane] = 0.f;
+      }
+      continue;
+    }
+
+    // K fragments of keys warp_key0 + nt*8 + g; keys past the row's end are zero.
+    uint4 k_frag[kDimChunks][kKeyTiles];
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      const int key = warp_key0 + nt * 8 + g;
+      const T* src = k_rows + key * a.k_token_stride + t * 8;
+#pragma unroll
+      for (int c = 0; c < kDimChunks; ++c) {
+        k_frag[c][nt] = key < n ? __ldg(reinterpret_cast<const uint4*>(src + c * 32))
+                                : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+
+    // head_sum: this lane's part of the per-key sum of the current head (max) or
+    // of all heads so far (sum). Lane (g, t) owns key column
+    // (g/2)*8 + 2t + g%2 and keeps its finished max over heads in own_max.
+    float head_sum[kKeyTiles][2] = {};
+    float own_max = 0.f;
+    int tiles_left_in_head = rows_per_head / 16;
+#pragma unroll 1
+    for (int mt = 0; mt < rows / 16; ++mt) {
+      float acc[kKeyTiles][4];
+      window_scores_logits<T>(q_frag + mt * kDimChunks * 64, k_frag, acc);
+      // This lane's rows are row0 and row0 + 8; its key column nt*8 + 2t + e is
+      // visible to a row iff nt*8 + e <= that row's limit.
+      const int row0 = mt * 16 + g;
+      const int limit0 = row_last_key[row0] - warp_key0 - 2 * t;
+      const int limit1 = row_last_key[row0 + 8] - warp_key0 - 2 * t;
+
+      if constexpr (kPass == Pass::kProbs) {
+        const float lse0 = row_lse2[row0];
+        const float lse1 = row_lse2[row0 + 8];
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = nt * 8 + e;
+            const float p0 = window_scores_exp2(fmaf(acc[nt][e], a.scale_log2, -lse0));
+            const float p1 = window_scores_exp2(fmaf(acc[nt][2 + e], a.scale_log2, -lse1));
+            head_sum[nt][e] += (col <= limit0 ? p0 : 0.f) + (col <= limit1 ? p1 : 0.f);
+          }
+        }
+        if (a.reduce_max && --tiles_left_in_head == 0) {  // the head is complete
+          tiles_left_in_head = rows_per_head / 16;
+          own_max = fmaxf(own_max, window_scores_own_column_sum<kKeyTiles>(head_sum));
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) head_sum[nt][0] = head_sum[nt][1] = 0.f;
+        }
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int limit = half == 0 ? limit0 : limit1;
+          float m = -INFINITY;  // masked logits (log2 units) replace acc in place
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = acc[nt][2 * half + e];
+              x = nt * 8 + e <= limit ? x * a.scale_log2 : -INFINITY;
+              m = fmaxf(m, x);
+            }
+          }
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const float m_ref = m == -INFINITY ? 0.f : m;
+          float l = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt) {
+            l += window_scores_exp2(acc[nt][2 * half] - m_ref) +
+                 window_scores_exp2(acc[nt][2 * half + 1] - m_ref);
+          }
+          l += __shfl_xor_sync(0xffffffffu, l, 1);
+          l += __shfl_xor_sync(0xffffffffu, l, 2);
+          if (t == 0) {  // only this lane ever touches rows row0 + 8*half of this warp
+            float2& state = warp_states[warp * rows + row0 + 8 * half];
+            state = window_scores_merge(state, make_float2(m, l));
+          }
+        }
+      }
+    }
+
+    if constexpr (kPass == Pass::kProbs) {
+      const float value = a.reduce_max ? own_max : window_scores_own_column_sum<kKeyTiles>(head_sum);
+      const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);
+      if (g < 2 * kKeyTiles && key < a.length) out[key] = value * a.out_scale;
+    }
+  }
+
+  if constexpr (kPass == Pass::kStats) {
+    __syncthreads();
+    const int64_t rows_total = static_cast<int64_t>(a.batch) * a.q_heads * a.window;
+    for (int row = threadIdx.x; row < rows; row += Shape::kThreads) {
+      const int i = row % rows_per_head;
+      if (i >= a.window) continue;
+      float2 state = warp_states[row];
+      for (int w = 1; w < Shape::kWarps; ++w) state = window_scores_merge(state, warp_states[w * rows + row]);
+      const int64_t q_row = (q_head0 + row / rows_per_head) * a.window + i;
+      a.stats[chunk * rows_total + q_row] = state;
+    }
+  }
+}
+
+}  // namespace kvprune::window_scores_impl

@@ -1,0 +1,47 @@
+// The two small kernels between and after the window_scores score passes:
+//  * lse combine: per-chunk softmax states of pass 1 -> lse of every query row;
+//  * split reduce: per-split scores (query heads split across CTAs) -> scores.
+#pragma once
+
+#include "cuda/window_scores_common.cuh"
+
+namespace kvprune::window_scores_impl {
+
+// lse[r] = ln(sum over the row's visible keys of exp(logit)) for every query row
+// r of [batch, q_heads, window]; -inf for a row that sees no key. Only chunks
+// holding a valid key were written by pass 1, and only those are read.
+// stats: [num_chunks, rows_total] (m, l) in log2 units; seq_lens: [batch] or null;
+// lse: out [batch, q_heads, window] = [rows_total].
+__global__ void window_scores_lse_combine_kernel(const float2* stats, const int32_t* seq_lens,
+                                                 float* lse, int64_t rows_total,
+                                                 int64_t rows_per_batch, int length,
+                                                 int keys_per_chunk) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows_total;
+       r += stride) {
+    const int n = window_scores_row_length(seq_lens, static_cast<int>(r / rows_per_batch), length);
+    const int chunks = (n + keys_per_chunk - 1) / keys_per_chunk;
+    float2 state = make_float2(-INFINITY, 0.f);
+    for (int c = 0; c < chunks; ++c) state = window_scores_merge(state, stats[c * rows_total + r]);
+    lse[r] = state.x == -INFINITY ? -INFINITY : (state.x + log2f(state.y)) * kLn2;
+  }
+}
+
+// scores[e] = out_scale * (sum or max over s of partial[s, e]).
+// partial: [splits, count]; scores: out [count] (= [batch, kv_heads, length]).
+__global__ void window_scores_split_reduce_kernel(const float* partial, float* scores,
+                                                  int64_t count, int splits, int reduce_max,
+                                                  float out_scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    float v = partial[e];
+    for (int s = 1; s < splits; ++s) {
+      const float p = partial[s * count + e];
+      v = reduce_max ? fmaxf(v, p) : v + p;
+    }
+    scores[e] = v * out_scale;
+  }
+}
+
+}  // namespace kvprune::window_scores_impl
