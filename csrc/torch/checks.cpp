@@ -1,5 +1,7 @@
 #include "torch/checks.h"
 
+#include <ATen/MemoryOverlap.h>
+
 namespace kvprune::torch_ext {
 
 DType core_dtype(const at::Tensor& t, const char* name) {
@@ -34,6 +36,33 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
                        const char* like_name) {
   TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), " but ", like_name,
                     " is on ", like.device(), "; all tensors must be on one device");
+}
+
+void check_no_self_overlap(const at::Tensor& out, const char* name) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes, name,
+                    " must not have overlapping elements (e.g. an expanded tensor)");
+}
+
+namespace {
+
+// [first byte, one past the last byte] spanned by a strided tensor.
+std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + (last + 1) * t.element_size()};
+}
+
+}  // namespace
+
+void check_disjoint(const at::Tensor& out, const char* name, const at::Tensor& other,
+                    const char* other_name) {
+  if (out.numel() == 0 || other.numel() == 0) return;
+  if (!out.storage().is_alias_of(other.storage())) return;
+  const auto [out_first, out_end] = byte_extent(out);
+  const auto [other_first, other_end] = byte_extent(other);
+  TORCH_CHECK_VALUE(out_end <= other_first || other_end <= out_first, name,
+                    " must not share memory with ", other_name);
 }
 
 void check_scores(const at::Tensor& scores, const char* name) {

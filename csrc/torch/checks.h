@@ -23,6 +23,12 @@ MutableTokens mutable_tokens(at::Tensor& t);
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
                        const char* like_name);
 
+// `out` has no two elements at one address (e.g. not an expanded tensor).
+void check_no_self_overlap(const at::Tensor& out, const char* name);
+// The address ranges of `out` and `other` do not intersect (when they share a storage).
+void check_disjoint(const at::Tensor& out, const char* name, const at::Tensor& other,
+                    const char* other_name);
+
 // A contiguous fp32 [batch, heads, length] score tensor.
 void check_scores(const at::Tensor& scores, const char* name);
 

@@ -195,6 +195,15 @@ void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
                       name, " must have shape [", k.size(0), ", ", k.size(1), ", ", idx.size(2), ", ",
                       k.size(3), "], got ", out->sizes());
   }
+  // Rows are copied in parallel: an output sharing memory with an input or with
+  // the other output would race.
+  check_no_self_overlap(out_k, "out_k");
+  check_no_self_overlap(out_v, "out_v");
+  for (const auto& [in, in_name] : {std::pair{&k, "k"}, std::pair{&v, "v"}, std::pair{&idx, "idx"}}) {
+    check_disjoint(out_k, "out_k", *in, in_name);
+    check_disjoint(out_v, "out_v", *in, in_name);
+  }
+  check_disjoint(out_k, "out_k", out_v, "out_v");
   const c10::DeviceGuard guard(k.device());
   check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "gather_kv");
 }
@@ -243,6 +252,7 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
   select_p.scores = score_p.scores;
   select_p.keep_idx = idx.data_ptr<int32_t>();
   check_status(be.select_keep(select_p, base + scores_bytes, select_ws), "snapkv (select)");
+  ws.reset();  // scores and scratch are dead: give them back before the outputs are allocated
 
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The one GPU check (lent H200): environment, build + install, all tests, compute-sanitizer,
+# benchmarks, then a summary table (printed last).
+#
+#   OUT=/path/to/outdir bash bench/gpu_check.sh        # from the repo root
+#
+# Each step appends to a log under $OUT and runs under `timeout`; a failing step is recorded
+# and the next one runs anyway. Timeouts are capped so the whole script ends within
+# GPU_CHECK_BUDGET_S seconds (default 465, under 8 minutes), keeping time for later steps.
+# Files left in $OUT (7): setup.log tests.log sanitize.log bench.log prefill.json prefill.png
+# summary.txt
+set -u -o pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+: "${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+WORK="$(mktemp -d)"  # Python runs from here, so `import kvprune_cuda` is the installed package
+SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+export REPO OUT PY WORK SANITIZER PYTHONUNBUFFERED=1
+START=$(date +%s)
+DEADLINE=$(( START + ${GPU_CHECK_BUDGET_S:-465} ))
+NAMES=(); STATES=(); SECONDS_TAKEN=()
+
+# step NAME LOG MAX_S RESERVE_S FUNCTION
+# Runs FUNCTION (a bash function below) with a timeout of min(MAX_S, time left - RESERVE_S),
+# output appended to $OUT/LOG.
+step() {
+  local name=$1 log=$2 max=$3 reserve=$4 fn=$5
+  local left limit t0 rc state
+  left=$(( DEADLINE - $(date +%s) - reserve ))
+  limit=$(( max < left ? max : left ))
+  if (( limit < 10 )); then
+    NAMES+=("$name"); STATES+=("SKIPPED (no time left)"); SECONDS_TAKEN+=(0)
+    echo "=== [$name] skipped: no time left" >> "$OUT/$log"
+    return
+  fi
+  echo "=== [$name] $(date -u +%T) timeout ${limit}s" >> "$OUT/$log"
+  echo ">>> $name (timeout ${limit}s, log $log)"
+  t0=$(date +%s)
+  (cd "$WORK" && timeout --kill-after=10 "$limit" bash -c "set -o pipefail; $fn") >> "$OUT/$log" 2>&1
+  rc=$?
+  case $rc in
+    0) state=ok ;;
+    124|137) state="TIMEOUT (${limit}s)" ;;
+    *) state="FAIL (rc $rc)" ;;
+  esac
+  echo "=== [$name] $state after $(( $(date +%s) - t0 ))s" >> "$OUT/$log"
+  NAMES+=("$name"); STATES+=("$state"); SECONDS_TAKEN+=($(( $(date +%s) - t0 )))
+}
+
+env_info() {
+  nvidia-smi
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
+  "$PY" -c 'import sys, torch; print("python", sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name())'
+  command -v nvcc && nvcc --version | tail -2
+  echo "compute-sanitizer: $SANITIZER"; nproc
+}
+
+build_install() {
+  cd "$REPO" && MAX_JOBS=16 KVPRUNE_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -v . || return 1
+  cd "$WORK" && "$PY" -c '
+import kvprune_cuda as kp
+info = kp.build_info()
+print(kp.__file__)
+print(info)
+assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"'
+}
+
+run_tests() {
+  "$PY" -m pytest "$REPO/tests" -x -q -rs -p no:cacheprovider
+}
+
+memcheck() {
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 3 \
+    --print-limit 20 "$PY" "$REPO/bench/sanitize_case.py"
+}
+
+racecheck() {
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool racecheck --error-exitcode 3 \
+    --print-limit 20 "$PY" "$REPO/bench/sanitize_case.py"
+}
+
+bench_prefill() {
+  "$PY" "$REPO/bench/bench_prefill.py" --device cuda --json "$OUT/prefill.json"
+}
+
+bench_select() {
+  "$PY" "$REPO/bench/bench_select.py"
+}
+
+plot_prefill() {
+  "$PY" "$REPO/bench/plot_prefill.py" "$OUT/prefill.json" -o "$OUT/prefill.png"
+}
+
+export -f env_info build_install run_tests memcheck racecheck bench_prefill bench_select plot_prefill
+
+#    name           log           max  reserve(for the steps after)
+step env            setup.log      60  420 env_info
+step build          setup.log     300  200 build_install
+step tests          tests.log     240  170 run_tests
+step memcheck       sanitize.log   90  150 memcheck
+step racecheck      sanitize.log   90  120 racecheck
+step bench_prefill  bench.log     180   40 bench_prefill
+step bench_select   bench.log      90   10 bench_select
+step plot           bench.log      30    0 plot_prefill
+
+{
+  echo
+  echo "---- tests (tail) ----"; tail -n 6 "$OUT/tests.log"
+  echo "---- sanitizers ----"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases ok|FAIL " "$OUT/sanitize.log"
+  echo "---- bench (rows) ----"
+  grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|floor|kvprune|kp\.|bench_|kvprune_cuda)" | tail -n 64
+  echo
+  echo "---- gpu_check summary ($(( $(date +%s) - START ))s total) ----"
+  printf "%-15s %-24s %6s\n" step status seconds
+  for i in "${!NAMES[@]}"; do
+    printf "%-15s %-24s %6s\n" "${NAMES[$i]}" "${STATES[$i]}" "${SECONDS_TAKEN[$i]}"
+  done
+} | tee "$OUT/summary.txt"
+rm -rf "$WORK"
+for s in "${STATES[@]}"; do [[ $s == ok ]] || exit 1; done
+exit 0
