@@ -1,12 +1,16 @@
 // CPU gather_kv: out[b,h,t,:] = src[b,h,keep_idx[b,h,t],:] for K and V; an index
 // outside [0, length) writes a zero row. Rows are copied as raw bytes, so every
 // dtype shares one path. Parallel over (batch, head, token chunk).
+// With p.rope.rotary_dim > 0 each gathered K row is then re-rotated from position
+// keep_idx[t] to position t (cpu/rope.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "core/validate.h"
+#include "core/validate_decode.h"
 #include "cpu/parallel.h"
+#include "cpu/rope.h"
 #include "kvprune/kvprune.h"
 
 namespace kvprune {
@@ -36,10 +40,27 @@ void gather_tokens(const ConstTokens& src, const MutableTokens& dst, const int32
   }
 }
 
+// Fused re-rotation of the gathered K rows [t0, t1) of row (b, h): from position
+// idx[t] to position t. Zero (padding) rows stay zero.
+void rotate_gathered(const GatherKvParams& p, const int32_t* idx, int64_t b, int64_t h,
+                     int64_t t0, int64_t t1, int64_t elem) {
+  cpu::RopeAngles angles(p.rope);
+  float scratch[2 * cpu::RopeAngles::kMaxPairs];
+  char* dst_row = static_cast<char*>(p.out_k.data) +
+                  (b * p.out_k.batch_stride + h * p.out_k.head_stride) * elem;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t j = idx[t];
+    if (j < 0 || j >= p.length) continue;
+    angles.rotate_stored(dst_row + t * p.out_k.token_stride * elem, p.dtype, t - j, scratch);
+  }
+}
+
 }  // namespace
 
 Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
+  if (auto s = validate(p.rope, p.head_dim); s != Status::kOk) return s;
+  if (!cpu::RopeAngles::supported(p.rope)) return Status::kUnsupportedHeadDim;
   const int64_t rows = p.batch * p.heads;
   if (rows * p.budget == 0) return Status::kOk;
 
@@ -56,6 +77,7 @@ Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec) {
       const int32_t* idx = p.keep_idx + row * p.budget;  // [budget]
       gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, row_bytes);
       gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, row_bytes);
+      if (p.rope.rotary_dim > 0) rotate_gathered(p, idx, b, h, t0, t1, elem);
     }
   });
   return Status::kOk;

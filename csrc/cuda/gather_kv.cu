@@ -5,10 +5,14 @@
 // width that divides the row size, every base address and every byte stride.
 // A group of `lanes` threads (a power of two <= 32) copies one output row, so a
 // warp moves whole rows with coalesced vector loads and stores.
+// With p.rope.rotary_dim > 0 a second kernel (same stream) re-rotates each
+// gathered K row in place from position keep_idx[t] to position t (cuda/rope.cuh).
 #include <cstdint>
 
 #include "core/validate.h"
+#include "core/validate_decode.h"
 #include "cuda/common.cuh"
+#include "cuda/rope.cuh"
 #include "kvprune/kvprune.h"
 
 namespace kvprune {
@@ -109,10 +113,35 @@ void launch(const GatherArgs& args, unsigned blocks, cudaStream_t stream) {
       <<<blocks, kBlock, 0, stream>>>(args);
 }
 
+// Delta of gathered row t: from its source position keep_idx[t] to t; padding rows
+// (index outside [0, length)) are zero and stay untouched.
+struct GatherDelta {
+  const int32_t* keep_idx;  // [rows, budget]
+  int64_t heads;
+  int64_t budget;
+  int64_t length;
+
+  __device__ __forceinline__ bool operator()(int64_t b, int64_t h, int64_t t, int64_t* delta) const {
+    const int64_t j = __ldg(keep_idx + (b * heads + h) * budget + t);
+    *delta = t - j;
+    return j >= 0 && j < length;
+  }
+};
+
+template <typename T>
+void launch_rope(const GatherKvParams& p, cudaStream_t stream) {
+  const int64_t rows = p.batch * p.heads * p.budget;
+  cuda_detail::rope_rows_kernel<T><<<cuda_detail::rope_rows_grid(rows), 256, 0, stream>>>(
+      static_cast<T*>(p.out_k.data), p.out_k.batch_stride, p.out_k.head_stride,
+      p.out_k.token_stride, p.heads, p.budget, rows, cuda_detail::RopeArgs::from(p.rope),
+      GatherDelta{p.keep_idx, p.heads, p.budget, p.length});
+}
+
 }  // namespace
 
 Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream) {
   if (auto s = validate(p); s != Status::kOk) return s;
+  if (auto s = validate(p.rope, p.head_dim); s != Status::kOk) return s;
   const int64_t rows = p.batch * p.heads;
   if (rows == 0 || p.budget == 0) return Status::kOk;
 
@@ -143,6 +172,13 @@ Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream) {
     case 8: launch<8>(args, blocks, stream); break;
     case 4: launch<4>(args, blocks, stream); break;
     default: launch<2>(args, blocks, stream); break;
+  }
+  if (p.rope.rotary_dim > 0) {
+    switch (p.dtype) {
+      case DType::kFloat16: launch_rope<__half>(p, stream); break;
+      case DType::kBFloat16: launch_rope<__nv_bfloat16>(p, stream); break;
+      default: launch_rope<float>(p, stream); break;
+    }
   }
   return cuda_detail::launch_status();
 }

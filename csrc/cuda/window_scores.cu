@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 
 #include "core/validate.h"
 #include "cuda/window_scores_mma.cuh"
@@ -206,10 +207,22 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
 
 template <typename T, int kHeadDim, Pass kPass>
 cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
-                       cudaStream_t stream) {
+                       int64_t max_smem, cudaStream_t stream) {
   const auto kernel = window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
+  // The attribute is process-wide state of this kernel, shared by every host thread.
+  // Setting it to each call's own size would let a concurrent call with a smaller
+  // plan lower it between our set and our launch (launch failure). So it only ever
+  // grows (under a lock), clamped to this device's opt-in limit, which every plan
+  // fits. Host-only calls: legal during stream capture.
+  static std::mutex mutex;
+  static int64_t raised = 0;
+  cudaError_t err;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    raised = std::max(raised, static_cast<int64_t>(plan.smem_bytes));
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(std::min(raised, max_smem)));
+  }
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(plan.num_chunks * rows_bh), static_cast<unsigned>(plan.splits));
   kernel<<<grid, MmaShape<kHeadDim>::kThreads, plan.smem_bytes, stream>>>(a);
@@ -226,7 +239,7 @@ cudaError_t launch_simt(const KernelArgs& a, const PassPlan& plan, int64_t rows_
 
 template <Pass kPass>
 cudaError_t launch_pass(const WindowScoresParams& p, bool tensor_cores, const KernelArgs& a,
-                        const PassPlan& plan, cudaStream_t stream) {
+                        const PassPlan& plan, int64_t max_smem, cudaStream_t stream) {
   const int64_t rows_bh = p.batch * p.kv_heads;
   if (!tensor_cores) {
     switch (p.dtype) {
@@ -238,14 +251,14 @@ cudaError_t launch_pass(const WindowScoresParams& p, bool tensor_cores, const Ke
   const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
     case 64:
-      return bf16 ? launch_mma<__nv_bfloat16, 64, kPass>(a, plan, rows_bh, stream)
-                  : launch_mma<__half, 64, kPass>(a, plan, rows_bh, stream);
+      return bf16 ? launch_mma<__nv_bfloat16, 64, kPass>(a, plan, rows_bh, max_smem, stream)
+                  : launch_mma<__half, 64, kPass>(a, plan, rows_bh, max_smem, stream);
     case 128:
-      return bf16 ? launch_mma<__nv_bfloat16, 128, kPass>(a, plan, rows_bh, stream)
-                  : launch_mma<__half, 128, kPass>(a, plan, rows_bh, stream);
+      return bf16 ? launch_mma<__nv_bfloat16, 128, kPass>(a, plan, rows_bh, max_smem, stream)
+                  : launch_mma<__half, 128, kPass>(a, plan, rows_bh, max_smem, stream);
     default:
-      return bf16 ? launch_mma<__nv_bfloat16, 256, kPass>(a, plan, rows_bh, stream)
-                  : launch_mma<__half, 256, kPass>(a, plan, rows_bh, stream);
+      return bf16 ? launch_mma<__nv_bfloat16, 256, kPass>(a, plan, rows_bh, max_smem, stream)
+                  : launch_mma<__half, 256, kPass>(a, plan, rows_bh, max_smem, stream);
   }
 }
 
@@ -288,7 +301,8 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
   if (p.lse == nullptr) {
     KernelArgs stats = pass_args(p, plan.stats);
     stats.stats = reinterpret_cast<float2*>(ws + layout.stats);
-    if (launch_pass<Pass::kStats>(p, plan.tensor_cores, stats, plan.stats, stream) != cudaSuccess)
+    if (launch_pass<Pass::kStats>(p, plan.tensor_cores, stats, plan.stats, dev.max_smem_per_cta,
+                                  stream) != cudaSuccess)
       return Status::kCudaError;
     const int64_t rows_total = p.batch * p.q_heads * p.window;
     float* lse = reinterpret_cast<float*>(ws + layout.lse);
@@ -302,7 +316,8 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
   float* partial = reinterpret_cast<float*>(ws + layout.partial);
   probs.out = split ? partial : p.scores;
   probs.out_scale = split ? 1.f : mean_scale;
-  if (launch_pass<Pass::kProbs>(p, plan.tensor_cores, probs, plan.probs, stream) != cudaSuccess)
+  if (launch_pass<Pass::kProbs>(p, plan.tensor_cores, probs, plan.probs, dev.max_smem_per_cta,
+                                stream) != cudaSuccess)
     return Status::kCudaError;
   if (split) {
     const int64_t count = p.batch * p.kv_heads * p.length;

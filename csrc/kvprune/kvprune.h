@@ -45,3 +45,5 @@ Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream);
 Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream);
 
 }  // namespace kvprune
+
+#include "kvprune/decode.h"  // decode-time eviction ops (StreamingLLM ring, RoPE, H2O)

@@ -110,8 +110,29 @@ struct StreamingKeepParams {
   int64_t n_sink = 4;
 };
 
+// Rotary position embedding (RoPE) of cached post-RoPE keys, used to move a key
+// from position `old` to position `new` (a delta rotation by new - old).
+//   pairs: kNeox  (i, i + rotary_dim/2)   (rotate_half, Llama/NeoX/Qwen)
+//          kGptj  (2i, 2i + 1)            (interleaved, GPT-J/ChatGLM)
+//   angle_i = (new - old) * inv_freq[i], i in [0, rotary_dim/2)
+//   inv_freq[i] = theta^(-2i/rotary_dim) unless inv_freq is given (rope scaling)
+//   x' = x cos - y sin,  y' = y cos + x sin   for each pair (x, y)
+// Angles are reduced in double precision, cos/sin and the rotation are fp32.
+// Dims >= rotary_dim are untouched. rotary_dim == 0 means "no rotation".
+enum class RopeLayout : int { kNeox = 0, kGptj = 1 };
+
+struct RopeParams {
+  int64_t rotary_dim = 0;            // even, <= head_dim; 0 disables the rotation
+  RopeLayout layout = RopeLayout::kNeox;
+  double theta = 10000.0;            // base of the default frequencies
+  const float* inv_freq = nullptr;   // [rotary_dim/2] fp32 (device of the kernel), or null
+};
+
 // Compaction: out[b,h,t,:] = src[b,h,keep_idx[b,h,t],:] for K and V alike; an
 // index outside [0, length) (the -1 padding) writes a zero row.
+// With rope.rotary_dim > 0 the gathered K row is also re-rotated from position
+// keep_idx[b,h,t] to position t (its position inside the compacted cache); V is
+// never rotated. The default (rotary_dim 0) is a plain copy.
 struct GatherKvParams {
   ConstTokens k;                      // [batch, heads, length, head_dim], dtype
   ConstTokens v;                      // [batch, heads, length, head_dim], dtype
@@ -124,6 +145,7 @@ struct GatherKvParams {
   int64_t length = 0;
   int64_t budget = 0;
   int64_t head_dim = 0;
+  RopeParams rope;  // optional fused re-rotation of K (default: none)
 };
 
 }  // namespace kvprune

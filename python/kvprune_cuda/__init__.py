@@ -7,6 +7,7 @@ plain PyTorch.
 """
 
 from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
+from kvprune_cuda import _fake_decode  # noqa: F401  (fake impls of the decode ops)
 from kvprune_cuda._ops import (
     KeptKV,
     build_info,
@@ -16,6 +17,14 @@ from kvprune_cuda._ops import (
     snapkv,
     streaming,
     window_scores,
+)
+from kvprune_cuda.decode import (
+    DecodeCache,
+    Rope,
+    decode_scores,
+    h2o_evict,
+    rerotate_keys,
+    streaming_append,
 )
 
 __version__ = build_info()["version"]
@@ -29,4 +38,10 @@ __all__ = [
     "snapkv",
     "streaming",
     "window_scores",
+    "DecodeCache",
+    "Rope",
+    "decode_scores",
+    "h2o_evict",
+    "rerotate_keys",
+    "streaming_append",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
 from kvprune_cuda import _C  # noqa: F401  (loads the library that registers the ops)
+
+if TYPE_CHECKING:
+    from kvprune_cuda.decode import Rope
 
 _ops = torch.ops.kvprune
 
@@ -90,14 +93,24 @@ def gather_kv(
     *,
     out_k: Optional[torch.Tensor] = None,
     out_v: Optional[torch.Tensor] = None,
+    rope: Optional["Rope"] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compacts K and V to the kept positions: [B, H, budget, D] each (-1 -> zero row).
 
     ``out_k``/``out_v`` (both or neither) let the caller compact into its own
     buffers, which may be strided views (e.g. slices of a [B, N, H, D] cache).
+    ``rope`` (a :class:`kvprune_cuda.Rope`) also re-rotates each kept post-RoPE key
+    from its position ``idx[b,h,t]`` to its position ``t`` in the compacted cache, in
+    the same pass (StreamingLLM-style positions inside the cache); V is not rotated.
     """
     if (out_k is None) != (out_v is None):
         raise ValueError("gather_kv: pass both out_k and out_v, or neither")
+    if rope is not None:
+        theta, rotary_dim, layout, inv_freq = rope.resolved(k.shape[-1])
+        if out_k is None:
+            return _ops.gather_kv_rope(k, v, idx, theta, rotary_dim, layout, inv_freq)
+        _ops.gather_kv_rope_out(k, v, idx, out_k, out_v, theta, rotary_dim, layout, inv_freq)
+        return out_k, out_v
     if out_k is None:
         return _ops.gather_kv(k, v, idx)
     _ops.gather_kv_out(k, v, idx, out_k, out_v)

@@ -199,3 +199,236 @@ def streaming(
     idx = streaming_indices(batch, heads, length, budget, n_sink=n_sink, seq_lens=seq_lens)
     out_k, out_v = gather_kv(k, v, idx)
     return out_k, out_v, idx
+
+
+# =====================================================================================
+# Decode-time eviction (StreamingLLM ring cache, RoPE re-rotation, H2O heavy hitters).
+# Functional versions of the in-place ops of kvprune_cuda.decode: they return new
+# tensors instead of mutating. Cache layout: k, v [B,Hkv,C,D]; slot_pos int32
+# [B,Hkv,C] (-1 = empty); seq_lens int32 [B] tokens seen; h2o_scores fp32 [B,Hkv,C].
+# =====================================================================================
+
+ROPE_LAYOUTS = ("neox", "gptj")
+
+
+def rope_inv_freq(
+    rotary_dim: int, theta: float = 10000.0, inv_freq: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """float64 [rotary_dim // 2]: theta^(-2i/rotary_dim), or the given inv_freq."""
+    if inv_freq is not None:
+        return inv_freq.double().cpu()
+    return theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def _rope_pairs(head_dim: int, rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dim indices (x, y) of each rotated pair."""
+    half = rotary_dim // 2
+    i = torch.arange(half)
+    if layout == "neox":
+        return i, i + half
+    return 2 * i, 2 * i + 1
+
+
+def rope_rotate(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    theta: float = 10000.0,
+    rotary_dim: Optional[int] = None,
+    layout: str = "neox",
+    inv_freq: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Rotates x [..., D] by `delta` positions (broadcast over x[..., 0]), in float64.
+
+    Pair (a, b) at frequency f: a' = a cos(delta f) - b sin(delta f), b' = b cos + a sin.
+    Applied to an un-rotated key with delta = position, this is RoPE itself.
+    Dims >= rotary_dim are unchanged. Returns float64.
+    """
+    head_dim = x.shape[-1]
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    freq = rope_inv_freq(rotary_dim, theta, inv_freq)
+    angle = delta.double().cpu()[..., None] * freq  # [..., rotary_dim/2]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    out = x.double().cpu().clone()
+    ia, ib = _rope_pairs(head_dim, rotary_dim, layout)
+    a, b = out[..., ia].clone(), out[..., ib].clone()
+    out[..., ia] = a * cos - b * sin
+    out[..., ib] = b * cos + a * sin
+    return out
+
+
+def rerotate_keys(
+    k: torch.Tensor,
+    old_pos: torch.Tensor,
+    new_pos: torch.Tensor,
+    *,
+    theta: float = 10000.0,
+    rotary_dim: Optional[int] = None,
+    layout: str = "neox",
+    inv_freq: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """k [B,H,N,D] rotated from old_pos to new_pos (int, broadcastable to [B,H,N]).
+
+    Entries with a negative old or new position are copied unchanged. Returns k's dtype.
+    """
+    shape = k.shape[:3]
+    old = old_pos.expand(shape).long().cpu()
+    new = new_pos.expand(shape).long().cpu()
+    valid = (old >= 0) & (new >= 0)
+    rotated = rope_rotate(k, torch.where(valid, new - old, 0), theta=theta,
+                          rotary_dim=rotary_dim, layout=layout, inv_freq=inv_freq)
+    return torch.where(valid[..., None], rotated, k.double().cpu()).to(k.dtype)
+
+
+def gather_kv_rope(
+    k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, *, theta: float = 10000.0,
+    rotary_dim: Optional[int] = None, layout: str = "neox", inv_freq: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv, then each kept key re-rotated from position idx[b,h,t] to position t."""
+    out_k, out_v = gather_kv(k, v, idx)
+    target = torch.arange(idx.shape[2], dtype=torch.int32).expand(idx.shape)
+    out_k = rerotate_keys(out_k, idx.cpu(), target, theta=theta, rotary_dim=rotary_dim,
+                          layout=layout, inv_freq=inv_freq)
+    return out_k, out_v
+
+
+def append_slot(pos: int, capacity: int, n_sink: int, slot: Optional[int] = None) -> int:
+    """Slot of stream position `pos`: in order below capacity, then the ring (or `slot`)."""
+    if pos < capacity:
+        return pos
+    if slot is not None:
+        return slot
+    return n_sink + (pos - n_sink) % (capacity - n_sink)
+
+
+def streaming_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    n_sink: int = 4,
+    slots: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Appends tokens one at a time (so later tokens of a call overwrite earlier ones).
+
+    Returns new (k_cache, v_cache, slot_pos, seq_lens). Slots outside [0, C) drop the token.
+    """
+    k_cache, v_cache = k_cache.cpu().clone(), v_cache.cpu().clone()
+    slot_pos, seq_lens = slot_pos.cpu().clone(), seq_lens.cpu().clone()
+    batch, heads, capacity, _ = k_cache.shape
+    for b in range(batch):
+        n = int(seq_lens[b])
+        for h in range(heads):
+            for t in range(k_new.shape[2]):
+                given = None if slots is None else int(slots[b, h, t])
+                s = append_slot(n + t, capacity, n_sink, given)
+                if not 0 <= s < capacity:
+                    continue
+                k_cache[b, h, s] = k_new[b, h, t].cpu()
+                v_cache[b, h, s] = v_new[b, h, t].cpu()
+                slot_pos[b, h, s] = n + t
+        seq_lens[b] = n + k_new.shape[2]
+    return k_cache, v_cache, slot_pos, seq_lens
+
+
+def streaming_cache_positions(length: int, capacity: int, n_sink: int) -> list[int]:
+    """Positions a StreamingLLM cache holds after `length` tokens: sinks + the last C-S."""
+    if length <= capacity:
+        return list(range(length))
+    return list(range(n_sink)) + list(range(length - (capacity - n_sink), length))
+
+
+def decode_scores(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    h2o_scores: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    gqa: str = "mean",
+    v_cache: Optional[torch.Tensor] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Decode attention over the cache. Returns (new h2o_scores fp32 or None, out or None).
+
+    Query t of row b sits at position seq_lens[b] - T + t and sees slot s of its KV head
+    iff 0 <= slot_pos <= that position. probs = softmax over visible slots (float64);
+    scores[g] += reduce_{h in g} sum_t probs[h,t]; out[h,t] = probs[h,t] @ v.
+    """
+    batch, q_heads, num_q, head_dim = q.shape
+    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    added = torch.zeros(batch, kv_heads, capacity, dtype=torch.float64)
+    out = torch.zeros(batch, q_heads, num_q, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        for h in range(q_heads):
+            g = h // group
+            pos = slot_pos[b, g].long().cpu()
+            qpos = torch.arange(n - num_q, n)[:, None]  # [T, 1]
+            visible = (pos[None, :] >= 0) & (pos[None, :] <= qpos)  # [T, C]
+            logits = q[b, h].double().cpu() @ k_cache[b, g].double().cpu().T * scale
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)
+            if v_cache is not None:
+                out[b, h] = probs @ v_cache[b, g].double().cpu()
+            summed = probs.sum(dim=0)
+            if gqa == "max":
+                added[b, g] = summed if h % group == 0 else torch.maximum(added[b, g], summed)
+            else:
+                added[b, g] += summed / (group if gqa == "mean" else 1)
+    new_scores = None if h2o_scores is None else (h2o_scores.double().cpu() + added).float()
+    return new_scores, (out.to(q.dtype) if v_cache is not None else None)
+
+
+def h2o_evict(
+    h2o_scores: torch.Tensor,
+    slot_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int = 4,
+    recent: int = 32,
+    num: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """H2O slot choice for the next `num` tokens. Returns (h2o_scores, slot_pos, next_slot).
+
+    Position p = n + t below capacity keeps slot p. Beyond, evict: holes (slot_pos < 0,
+    slot < n) first by slot, then the lowest score among slots whose position lies in
+    [n_sink, n - recent), ties to the lowest position; the evicted slot gets
+    slot_pos = -1 and score 0. The evicted slots are listed in ascending order.
+    """
+    scores, pos = h2o_scores.cpu().clone(), slot_pos.cpu().clone()
+    batch, heads, capacity = scores.shape
+    nxt = torch.full((batch, heads, num), -1, dtype=torch.int32)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        for h in range(heads):
+            chosen: list[int] = []
+            for t in range(num):
+                if n + t < capacity:
+                    nxt[b, h, t] = n + t
+                    continue
+                keys = []
+                for s in range(capacity):
+                    sp = int(pos[b, h, s])
+                    if s in chosen:
+                        continue
+                    if sp < 0 and s < n:
+                        keys.append(((0, s, 0), s))
+                    elif sp >= 0 and n_sink <= sp < n - recent:
+                        keys.append(((1, float(scores[b, h, s]), sp), s))
+                if keys:
+                    s = min(keys)[1]
+                    chosen.append(s)
+                    nxt[b, h, t] = s
+                    pos[b, h, s] = -1
+                    scores[b, h, s] = 0.0
+            # evicted slots are listed in ascending slot order, -1 (none found) last
+            first = min(max(capacity - n, 0), num)
+            chosen_sorted = sorted(chosen) + [-1] * (num - first - len(chosen))
+            nxt[b, h, first:] = torch.tensor(chosen_sorted, dtype=torch.int32)
+    return scores, pos, nxt

@@ -1,0 +1,105 @@
+// Decode-time eviction ops (StreamingLLM ring cache, RoPE re-rotation, H2O),
+// written once against a DecodeBackend, plus the template that registers them for
+// one dispatch key (decode_ops_cpu.cpp, decode_ops_cuda.cpp). Schemas are defined
+// in decode_ops.cpp with TORCH_LIBRARY_FRAGMENT(kvprune, ...).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "kvprune/kvprune.h"
+
+namespace kvprune::torch_ext {
+
+class DecodeBackend {
+ public:
+  virtual ~DecodeBackend() = default;
+  virtual Status streaming_append(const StreamingAppendParams& p) const = 0;
+  virtual Status rerotate_keys(const RerotateKeysParams& p) const = 0;
+  virtual size_t decode_scores_workspace(const DecodeScoresParams& p) const = 0;
+  virtual Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const = 0;
+  virtual Status h2o_evict(const H2oEvictParams& p) const = 0;
+  virtual Status gather_kv(const GatherKvParams& p) const = 0;
+};
+
+// k_cache, v_cache [B,Hkv,C,D], slot_pos int32 [B,Hkv,C], seq_lens int32 [B] (all mutated);
+// k_new, v_new [B,Hkv,T,D]; slots int32 [B,Hkv,T] or none (ring).
+void streaming_append(const DecodeBackend& be, at::Tensor& k_cache, at::Tensor& v_cache,
+                      at::Tensor& slot_pos, at::Tensor& seq_lens, const at::Tensor& k_new,
+                      const at::Tensor& v_new, int64_t n_sink, const std::optional<at::Tensor>& slots);
+// k [B,H,N,D] rotated in place; old_pos, new_pos int32 [B,H,N] (dims 0, 1 may be broadcast).
+void rerotate_keys(const DecodeBackend& be, at::Tensor& k, const at::Tensor& old_pos,
+                   const at::Tensor& new_pos, double theta, int64_t rotary_dim,
+                   const std::string& layout, const std::optional<at::Tensor>& inv_freq);
+// q [B,Hq,T,D]; h2o_scores fp32 [B,Hkv,C] accumulated in place -> out [B,Hq,T,D] with
+// v_cache, else an empty tensor.
+at::Tensor decode_scores(const DecodeBackend& be, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& slot_pos, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& h2o_scores, std::optional<double> scale,
+                         const std::string& gqa, const std::optional<at::Tensor>& v_cache);
+// -> next_slot int32 [B,Hkv,num]; h2o_scores and slot_pos updated in place.
+at::Tensor h2o_evict(const DecodeBackend& be, at::Tensor& h2o_scores, at::Tensor& slot_pos,
+                     const at::Tensor& seq_lens, int64_t n_sink, int64_t recent, int64_t num);
+// gather_kv with K re-rotated from position idx[t] to position t.
+std::tuple<at::Tensor, at::Tensor> gather_kv_rope(const DecodeBackend& be, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& idx,
+                                                  double theta, int64_t rotary_dim,
+                                                  const std::string& layout,
+                                                  const std::optional<at::Tensor>& inv_freq);
+void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v, double theta,
+                        int64_t rotary_dim, const std::string& layout,
+                        const std::optional<at::Tensor>& inv_freq);
+
+template <typename BackendType>
+struct DecodeOpsFor {
+  static void streaming_append_impl(at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_pos,
+                                    at::Tensor seq_lens, const at::Tensor& k_new,
+                                    const at::Tensor& v_new, int64_t n_sink,
+                                    const std::optional<at::Tensor>& slots) {
+    streaming_append(BackendType(), k_cache, v_cache, slot_pos, seq_lens, k_new, v_new, n_sink, slots);
+  }
+  static void rerotate_keys_impl(at::Tensor k, const at::Tensor& old_pos, const at::Tensor& new_pos,
+                                 double theta, int64_t rotary_dim, std::string layout,
+                                 const std::optional<at::Tensor>& inv_freq) {
+    rerotate_keys(BackendType(), k, old_pos, new_pos, theta, rotary_dim, layout, inv_freq);
+  }
+  static at::Tensor decode_scores_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& slot_pos, const at::Tensor& seq_lens,
+                                       const std::optional<at::Tensor>& h2o_scores,
+                                       std::optional<double> scale, std::string gqa,
+                                       const std::optional<at::Tensor>& v_cache) {
+    return decode_scores(BackendType(), q, k_cache, slot_pos, seq_lens, h2o_scores, scale, gqa, v_cache);
+  }
+  static at::Tensor h2o_evict_impl(at::Tensor h2o_scores, at::Tensor slot_pos,
+                                   const at::Tensor& seq_lens, int64_t n_sink, int64_t recent,
+                                   int64_t num) {
+    return h2o_evict(BackendType(), h2o_scores, slot_pos, seq_lens, n_sink, recent, num);
+  }
+  static std::tuple<at::Tensor, at::Tensor> gather_kv_rope_impl(
+      const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double theta,
+      int64_t rotary_dim, std::string layout, const std::optional<at::Tensor>& inv_freq) {
+    return gather_kv_rope(BackendType(), k, v, idx, theta, rotary_dim, layout, inv_freq);
+  }
+  static void gather_kv_rope_out_impl(const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& idx, at::Tensor out_k, at::Tensor out_v,
+                                      double theta, int64_t rotary_dim, std::string layout,
+                                      const std::optional<at::Tensor>& inv_freq) {
+    gather_kv_rope_out(BackendType(), k, v, idx, out_k, out_v, theta, rotary_dim, layout, inv_freq);
+  }
+
+  static void register_all(torch::Library& m) {
+    m.impl("streaming_append", &streaming_append_impl);
+    m.impl("rerotate_keys", &rerotate_keys_impl);
+    m.impl("decode_scores", &decode_scores_impl);
+    m.impl("h2o_evict", &h2o_evict_impl);
+    m.impl("gather_kv_rope", &gather_kv_rope_impl);
+    m.impl("gather_kv_rope_out", &gather_kv_rope_out_impl);
+  }
+};
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,43 @@
+// CPU backend of the decode ops: the core's CPU kernels on ATen's thread pool.
+#include <ATen/Parallel.h>
+
+#include "torch/decode_ops.h"
+
+namespace kvprune::torch_ext {
+namespace {
+
+void aten_parallel_for(int64_t n, int64_t grain, void* body_ctx,
+                       void (*body)(void*, int64_t, int64_t, int), void*) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    body(body_ctx, begin, end, at::get_thread_num());
+  });
+}
+
+class CpuDecodeBackend final : public DecodeBackend {
+ public:
+  CpuDecodeBackend() {
+    exec_.num_workers = at::get_num_threads();
+    exec_.parallel_for = aten_parallel_for;
+  }
+  Status streaming_append(const StreamingAppendParams& p) const override {
+    return streaming_append_cpu(p, exec_);
+  }
+  Status rerotate_keys(const RerotateKeysParams& p) const override { return rerotate_keys_cpu(p, exec_); }
+  size_t decode_scores_workspace(const DecodeScoresParams& p) const override {
+    return decode_scores_workspace_bytes_cpu(p, exec_);
+  }
+  Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return decode_scores_cpu(p, ws, ws_bytes, exec_);
+  }
+  Status h2o_evict(const H2oEvictParams& p) const override { return h2o_evict_cpu(p, exec_); }
+  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cpu(p, exec_); }
+
+ private:
+  CpuExecutor exec_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) { DecodeOpsFor<CpuDecodeBackend>::register_all(m); }
+
+}  // namespace kvprune::torch_ext

@@ -1,0 +1,34 @@
+// CUDA backend of the decode ops: the core's CUDA kernels on PyTorch's current
+// stream (the op bodies set the device with a DeviceGuard).
+#include <c10/cuda/CUDAStream.h>
+
+#include "torch/decode_ops.h"
+
+namespace kvprune::torch_ext {
+namespace {
+
+class CudaDecodeBackend final : public DecodeBackend {
+ public:
+  CudaDecodeBackend() : stream_(c10::cuda::getCurrentCUDAStream().stream()) {}
+  Status streaming_append(const StreamingAppendParams& p) const override {
+    return streaming_append_cuda(p, stream_);
+  }
+  Status rerotate_keys(const RerotateKeysParams& p) const override { return rerotate_keys_cuda(p, stream_); }
+  size_t decode_scores_workspace(const DecodeScoresParams& p) const override {
+    return decode_scores_workspace_bytes_cuda(p);
+  }
+  Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return decode_scores_cuda(p, ws, ws_bytes, stream_);
+  }
+  Status h2o_evict(const H2oEvictParams& p) const override { return h2o_evict_cuda(p, stream_); }
+  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream_); }
+
+ private:
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { DecodeOpsFor<CudaDecodeBackend>::register_all(m); }
+
+}  // namespace kvprune::torch_ext
