@@ -209,11 +209,11 @@ template <typename T, int kHeadDim, Pass kPass>
 cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
                        int64_t max_smem, cudaStream_t stream) {
   const auto kernel = window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
-  // The attribute is process-wide state of this kernel, shared by every host thread.
-  // Setting it to each call's own size would let a concurrent call with a smaller
-  // plan lower it between our set and our launch (launch failure). So it only ever
-  // grows (under a lock), clamped to this device's opt-in limit, which every plan
-  // fits. Host-only calls: legal during stream capture.
+  // The attribute is process-wide state of this kernel. Setting it to each call's own
+  // size would let a call with a smaller plan lower it under another host thread's
+  // pending launch (or a captured graph replayed later): launch failure. So it only
+  // ever grows (under a lock), clamped to this device's opt-in limit, which every
+  // plan fits. Host-only calls: legal during stream capture.
   static std::mutex mutex;
   static int64_t raised = 0;
   cudaError_t err;
