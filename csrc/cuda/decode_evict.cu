@@ -18,7 +18,8 @@ constexpr int kMaxNum = 64;  // tokens per call handled by the shared chosen lis
 // order-preserving score bits, then position (< 2^31). Ties broken by slot.
 __device__ __forceinline__ uint64_t candidate_key(bool hole, float score, int64_t pos, int64_t slot) {
   if (hole) return static_cast<uint64_t>(slot);
-  uint32_t bits = __float_as_uint(score);
+  // -0.0 and +0.0 tie (as in the CPU's float compare), so the position decides.
+  uint32_t bits = __float_as_uint(score == 0.f ? 0.f : score);
   bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
   return (uint64_t{1} << 63) | (static_cast<uint64_t>(bits) << 31) | static_cast<uint64_t>(pos);
 }
@@ -55,6 +56,10 @@ __global__ __launch_bounds__(kBlock) void evict_kernel(H2oEvictParams p) {
       const int64_t sp = slot_pos[s];
       const bool hole = sp < 0;
       if (hole ? s >= n : (sp < p.n_sink || sp >= n - p.recent)) continue;
+      // Slots [n, n + t) went to the in-order tokens of this call (CPU: next[u] == s);
+      // only reachable with an occupied slot past the fill frontier (inconsistent cache),
+      // where it would otherwise be handed out twice.
+      if (s >= n && s < n + t) continue;
       bool taken = false;
       for (int u = 0; u < evicted; ++u) taken |= chosen[u] == s;
       if (!taken) best = better(best, Best{candidate_key(hole, scores[s], sp, s), static_cast<int32_t>(s)});

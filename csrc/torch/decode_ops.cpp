@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "torch/checks.h"
+#include "torch/ops.h"
 
 TORCH_LIBRARY_FRAGMENT(kvprune, m) {
   m.def("streaming_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) slot_pos, "
@@ -110,6 +111,9 @@ void streaming_append(const DecodeBackend& be, at::Tensor& k_cache, at::Tensor& 
                       const at::Tensor& v_new, int64_t n_sink, const std::optional<at::Tensor>& slots) {
   check_cache(k_cache, "k_cache", nullptr, nullptr);
   check_cache(v_cache, "v_cache", &k_cache, "k_cache");
+  check_no_self_overlap(k_cache, "k_cache");  // written in place, in parallel
+  check_no_self_overlap(v_cache, "v_cache");
+  check_disjoint(k_cache, "k_cache", v_cache, "v_cache");
   check_tokens(k_new, "k_new");
   check_same_device(k_new, "k_new", k_cache, "k_cache");
   check_same_dtype(k_new, "k_new", k_cache, "k_cache");
@@ -150,6 +154,7 @@ void rerotate_keys(const DecodeBackend& be, at::Tensor& k, const at::Tensor& old
                    const at::Tensor& new_pos, double theta, int64_t rotary_dim,
                    const std::string& layout, const std::optional<at::Tensor>& inv_freq) {
   check_tokens(k, "k");
+  check_no_self_overlap(k, "k");  // rotated in place, in parallel
   RerotateKeysParams p;
   p.rope = rope_params(theta, rotary_dim, layout, inv_freq, k.size(3), k);
   const at::Tensor old_view = position_view(old_pos, "old_pos", k);
@@ -266,36 +271,8 @@ void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::
                         const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v, double theta,
                         int64_t rotary_dim, const std::string& layout,
                         const std::optional<at::Tensor>& inv_freq) {
-  check_cache(k, "k", nullptr, nullptr);
-  check_cache(v, "v", &k, "k");
-  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt, "idx must be int32, got ", idx.scalar_type());
-  TORCH_CHECK_VALUE(idx.dim() == 3 && idx.size(0) == k.size(0) && idx.size(1) == k.size(1),
-                    "idx must have shape [", k.size(0), ", ", k.size(1), ", budget], got ", idx.sizes());
-  TORCH_CHECK_VALUE(idx.is_contiguous(), "idx must be contiguous");
-  check_same_device(idx, "idx", k, "k");
-  const int64_t budget = idx.size(2);
-  for (const auto& [out, name] : {std::pair{&out_k, "out_k"}, std::pair{&out_v, "out_v"}}) {
-    check_tokens(*out, name);
-    check_same_device(*out, name, k, "k");
-    check_same_dtype(*out, name, k, "k");
-    TORCH_CHECK_VALUE(out->size(0) == k.size(0) && out->size(1) == k.size(1) &&
-                          out->size(2) == budget && out->size(3) == k.size(3),
-                      name, " must have shape [", k.size(0), ", ", k.size(1), ", ", budget, ", ",
-                      k.size(3), "], got ", out->sizes());
-  }
-  GatherKvParams p;
+  GatherKvParams p = checked_gather_params(k, v, idx, out_k, out_v);
   p.rope = rope_params(theta, rotary_dim, layout, inv_freq, k.size(3), k);
-  p.k = const_tokens(k);
-  p.v = const_tokens(v);
-  p.keep_idx = idx.data_ptr<int32_t>();
-  p.out_k = mutable_tokens(out_k);
-  p.out_v = mutable_tokens(out_v);
-  p.dtype = core_dtype(k, "k");
-  p.batch = k.size(0);
-  p.heads = k.size(1);
-  p.length = k.size(2);
-  p.budget = budget;
-  p.head_dim = k.size(3);
   const c10::DeviceGuard guard(k.device());
   check_decode_status(be.gather_kv(p), "gather_kv", "rope parameters");
 }

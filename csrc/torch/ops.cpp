@@ -181,8 +181,8 @@ at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budg
   return idx;
 }
 
-void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
+GatherKvParams checked_gather_params(const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
   check_cache_pair(k, v);
   check_index(idx, k);
   for (const auto& [out, name] : {std::pair{&out_k, "out_k"}, std::pair{&out_v, "out_v"}}) {
@@ -204,8 +204,14 @@ void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
     check_disjoint(out_v, "out_v", *in, in_name);
   }
   check_disjoint(out_k, "out_k", out_v, "out_v");
+  return gather_params(k, v, idx, out_k, out_v);
+}
+
+void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
+  const GatherKvParams p = checked_gather_params(k, v, idx, out_k, out_v);
   const c10::DeviceGuard guard(k.device());
-  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "gather_kv");
+  check_status(be.gather_kv(p), "gather_kv");
 }
 
 TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v,

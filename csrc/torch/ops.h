@@ -30,6 +30,10 @@ at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budg
 // k, v [B,H,N,D], idx int32 [B,H,budget] -> [B,H,budget,D] each
 TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& idx);
+// Checks gather_kv's arguments (shapes, dtypes, devices, no overlap between
+// outputs and inputs) and returns the core params for them.
+GatherKvParams checked_gather_params(const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v);
 void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v);
 // -> (k_kept, v_kept, idx)

@@ -9,28 +9,28 @@ namespace {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() : stream_(c10::cuda::getCurrentCUDAStream().stream()) {}
 
   size_t window_scores_workspace(const WindowScoresParams& p) const override {
     return window_scores_workspace_bytes_cuda(p);
   }
   Status window_scores(const WindowScoresParams& p, void* ws, size_t ws_bytes) const override {
-    return window_scores_cuda(p, ws, ws_bytes, stream_);
+    return window_scores_cuda(p, ws, ws_bytes, stream());
   }
-  Status pool_scores(const PoolScoresParams& p) const override { return pool_scores_cuda(p, stream_); }
+  Status pool_scores(const PoolScoresParams& p) const override { return pool_scores_cuda(p, stream()); }
   size_t select_keep_workspace(const SelectKeepParams& p) const override {
     return select_keep_workspace_bytes_cuda(p);
   }
   Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const override {
-    return select_keep_cuda(p, ws, ws_bytes, stream_);
+    return select_keep_cuda(p, ws, ws_bytes, stream());
   }
   Status streaming_keep(const StreamingKeepParams& p) const override {
-    return streaming_keep_cuda(p, stream_);
+    return streaming_keep_cuda(p, stream());
   }
-  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream_); }
+  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream()); }
 
  private:
-  cudaStream_t stream_;
+  // Looked up at each call, after the op body's DeviceGuard selected the tensors' device.
+  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 };
 
 }  // namespace
