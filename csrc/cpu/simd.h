@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
 namespace kvprune::cpu::simd {
 
 template <int kLanes>
@@ -34,6 +38,29 @@ inline Vec<kLanes> load(const float* p) {
 template <int kLanes>
 inline void store(float* p, Vec<kLanes> v) {
   std::memcpy(p, &v, sizeof(v));
+}
+
+// Store that bypasses the caches when `p` is vector-aligned (for data read back
+// much later). Call stream_fence() before other threads read what was stored.
+template <int kLanes>
+inline void stream_store(float* p, Vec<kLanes> v) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(v) != 0) return store<kLanes>(p, v);
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) return _mm512_stream_ps(p, (__m512)v);
+#endif
+#if defined(__AVX__)
+  if constexpr (kLanes == 8) return _mm256_stream_ps(p, (__m256)v);
+#endif
+#if defined(__SSE__)
+  if constexpr (kLanes == 4) return _mm_stream_ps(p, (__m128)v);
+#endif
+  store<kLanes>(p, v);
+}
+
+inline void stream_fence() {
+#if defined(__SSE__)
+  _mm_sfence();
+#endif
 }
 
 template <int kLanes>

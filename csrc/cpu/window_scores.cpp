@@ -43,7 +43,7 @@ struct Workspace {
   float* chunk_weight; // [chunks][Mp] chunk sums, then final weights (softmax path)
   float* exps;         // [chunks * kChunkKeys][Mp] (softmax path)
   float* worker_keys;  // [workers][kChunkKeys][D]
-  float* worker_tiles; // [workers][kChunkKeys][Mp] (lse path)
+  float* worker_tiles; // [workers][kChunkKeys][Mp]
   size_t floats;       // total size
 
   Workspace(const WindowScoresParams& p, int workers, float* base) {
@@ -63,7 +63,7 @@ struct Workspace {
     chunk_weight = take(chunks * mp);
     exps = take(chunks * kChunkKeys * mp);
     worker_keys = take(workers * kChunkKeys * p.head_dim);
-    worker_tiles = take(softmax ? 0 : workers * kChunkKeys * mp);
+    worker_tiles = take(workers * kChunkKeys * mp);
     floats = static_cast<size_t>(cursor - base);
   }
 };
@@ -137,12 +137,13 @@ void run_head_softmax(const HeadJob& job, const CpuExecutor& exec) {
   const int64_t chunks = (job.len + kChunkKeys - 1) / kChunkKeys;
   cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int worker) {
     float* keys = ws.worker_keys + worker * kChunkKeys * p.head_dim;
+    float* tile = ws.worker_tiles + worker * kChunkKeys * mp;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunkKeys;
       const int64_t count = std::min(kChunkKeys, job.len - first);
-      float* tile = ws.exps + first * mp;
       chunk_logits(job, first, count, keys, tile);
-      job.kernels->softmax_stats(tile, mp, count, ws.chunk_max + c * mp, ws.chunk_weight + c * mp);
+      job.kernels->softmax_stats(tile, mp, count, ws.exps + first * mp, ws.chunk_max + c * mp,
+                                 ws.chunk_weight + c * mp);
     }
   });
   // Exact normaliser per row from the chunk (max, sum) pairs, then per-chunk weights

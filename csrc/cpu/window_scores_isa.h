@@ -97,8 +97,8 @@ void logits(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_
     logits_rows<1>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile);
 }
 
-void softmax_stats(float* tile, int64_t mp, int64_t num_keys, float* chunk_max,
-                   float* chunk_sum) {
+void softmax_stats(const float* tile, int64_t mp, int64_t num_keys, float* exps,
+                   float* chunk_max, float* chunk_sum) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < mp; r += kLanes) {
     V row_max = simd::splat<kLanes>(neg_inf);
@@ -109,12 +109,13 @@ void softmax_stats(float* tile, int64_t mp, int64_t num_keys, float* chunk_max,
     V row_sum = V{};
     for (int64_t j = 0; j < num_keys; ++j) {
       const V e = simd::exp2<kLanes>(simd::load<kLanes>(tile + j * mp + r) - finite_max);
-      simd::store<kLanes>(tile + j * mp + r, e);
+      simd::stream_store<kLanes>(exps + j * mp + r, e);  // read again only after all chunks
       row_sum += e;
     }
     simd::store<kLanes>(chunk_max + r, row_max);
     simd::store<kLanes>(chunk_sum + r, row_sum);
   }
+  simd::stream_fence();
 }
 
 void exp_minus(float* tile, int64_t mp, int64_t num_keys, const float* lse2) {

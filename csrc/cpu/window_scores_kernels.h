@@ -29,9 +29,10 @@ struct WindowScoresKernels {
   void (*logits)(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
                  int64_t num_keys, float* tile);
   // Per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked); then
-  // tile[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked) and chunk_sum[r] = sum_j.
-  void (*softmax_stats)(float* tile, int64_t mp, int64_t num_keys, float* chunk_max,
-                        float* chunk_sum);
+  // exps[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked, stored past the
+  // caches) and chunk_sum[r] = sum_j exps[j][r].
+  void (*softmax_stats)(const float* tile, int64_t mp, int64_t num_keys, float* exps,
+                        float* chunk_max, float* chunk_sum);
   // tile[j][r] = 2^(tile[j][r] - lse2[r]) (lse2 in base 2; +inf gives 0).
   void (*exp_minus)(float* tile, int64_t mp, int64_t num_keys, const float* lse2);
   // out[j] = reduce over query heads h of sum_{i<window} tile[j][h*window+i] * weight[h*window+i]
