@@ -9,8 +9,10 @@
 //  * without: exponentiate against the chunk's own row maxima and keep the tile
 //    in the workspace. Once all chunks are done, the per-chunk (max, sum) pairs
 //    give each row's exact normaliser and a second sweep sums the stored columns
-//    with per-(chunk, row) weights. K is read once either way; the only large
-//    scratch is one head's [N][rows] fp32 tile.
+//    with per-(chunk, row) weights. That sweep is memory-bound, so it runs in the
+//    same tasks as the next head's (compute-bound) logits, with two exps buffers
+//    alternating between heads. K is read once either way; the only large scratch
+//    is two heads' [N][rows] fp32 exps.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -39,9 +41,10 @@ struct Workspace {
   float* q_packed;     // [D][Mp]
   float* row_weight;   // [Mp] (lse path: 1 on real rows, 0 on padding)
   float* lse2;         // [Mp] base-2 lse of the current head (lse path)
-  float* chunk_max;    // [chunks][Mp] (softmax path)
-  float* chunk_weight; // [chunks][Mp] chunk sums, then final weights (softmax path)
-  float* exps;         // [chunks * kChunkKeys][Mp] (softmax path)
+  // Softmax path, two of each (alternating heads):
+  float* chunk_max[2];    // [chunks][Mp]
+  float* chunk_weight[2]; // [chunks][Mp] chunk sums, then final weights
+  float* exps[2];         // [chunks * kChunkKeys][Mp]
   float* worker_keys;  // [workers][kChunkKeys][D]
   float* worker_tiles; // [workers][kChunkKeys][Mp]
   size_t floats;       // total size
@@ -59,9 +62,11 @@ struct Workspace {
     q_packed = take(p.head_dim * mp);
     row_weight = take(mp);
     lse2 = take(mp);
-    chunk_max = take(chunks * mp);
-    chunk_weight = take(chunks * mp);
-    exps = take(chunks * kChunkKeys * mp);
+    for (int i = 0; i < 2; ++i) {
+      chunk_max[i] = take(chunks * mp);
+      chunk_weight[i] = take(chunks * mp);
+      exps[i] = take(chunks * kChunkKeys * mp);
+    }
     worker_keys = take(workers * kChunkKeys * p.head_dim);
     worker_tiles = take(workers * kChunkKeys * mp);
     floats = static_cast<size_t>(cursor - base);
@@ -77,6 +82,8 @@ struct HeadJob {
   int64_t len;         // valid keys of this row
   int64_t mp;
   float* out;          // scores[b, g, :]
+  int buffers;         // softmax path: which exps / chunk_max / chunk_weight set
+  int64_t chunks() const { return (len + kChunkKeys - 1) / kChunkKeys; }
 };
 
 // q_packed[d][h*W+i] = q[b, g*G+h, i, d] * scale * log2(e); padding rows are 0.
@@ -130,46 +137,65 @@ void run_head_with_lse(const HeadJob& job, const CpuExecutor& exec) {
   });
 }
 
-void run_head_softmax(const HeadJob& job, const CpuExecutor& exec) {
-  const WindowScoresParams& p = *job.p;
+// Softmax pass 1 for chunk c: logits, then exps and per-row (max, sum) of the chunk.
+void softmax_chunk_stats(const HeadJob& job, int64_t c, float* keys, float* tile) {
   const Workspace& ws = *job.ws;
-  const int64_t mp = job.mp;
-  const int64_t chunks = (job.len + kChunkKeys - 1) / kChunkKeys;
-  cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int worker) {
-    float* keys = ws.worker_keys + worker * kChunkKeys * p.head_dim;
-    float* tile = ws.worker_tiles + worker * kChunkKeys * mp;
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t first = c * kChunkKeys;
-      const int64_t count = std::min(kChunkKeys, job.len - first);
-      chunk_logits(job, first, count, keys, tile);
-      job.kernels->softmax_stats(tile, mp, count, ws.exps + first * mp, ws.chunk_max + c * mp,
-                                 ws.chunk_weight + c * mp);
-    }
-  });
-  // Exact normaliser per row from the chunk (max, sum) pairs, then per-chunk weights
-  // 2^(chunk_max - row_max) / row_total. Rows that see no key (padding, or a query
-  // before position 0) get weight 0.
+  const int64_t first = c * kChunkKeys;
+  const int64_t count = std::min(kChunkKeys, job.len - first);
+  chunk_logits(job, first, count, keys, tile);
+  job.kernels->softmax_stats(tile, job.mp, count, ws.exps[job.buffers] + first * job.mp,
+                             ws.chunk_max[job.buffers] + c * job.mp,
+                             ws.chunk_weight[job.buffers] + c * job.mp);
+}
+
+// Exact normaliser per row from the chunk (max, sum) pairs, then per-chunk weights
+// 2^(chunk_max - row_max) / row_total. Rows that see no key (padding, or a query
+// before position 0) get weight 0.
+void softmax_chunk_weights(const HeadJob& job) {
+  const WindowScoresParams& p = *job.p;
+  const int64_t mp = job.mp, chunks = job.chunks();
+  const float* chunk_max = job.ws->chunk_max[job.buffers];
+  float* chunk_weight = job.ws->chunk_weight[job.buffers];
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = p.q_heads / p.kv_heads * p.window;
   for (int64_t r = 0; r < mp; ++r) {
     float row_max = neg_inf;
-    for (int64_t c = 0; c < chunks; ++c) row_max = std::max(row_max, ws.chunk_max[c * mp + r]);
+    for (int64_t c = 0; c < chunks; ++c) row_max = std::max(row_max, chunk_max[c * mp + r]);
     double total = 0.0;
     if (row_max != neg_inf)
       for (int64_t c = 0; c < chunks; ++c)
-        total += ws.chunk_weight[c * mp + r] * std::exp2(static_cast<double>(ws.chunk_max[c * mp + r]) - row_max);
+        total += chunk_weight[c * mp + r] * std::exp2(static_cast<double>(chunk_max[c * mp + r]) - row_max);
     for (int64_t c = 0; c < chunks; ++c) {
-      const float m = ws.chunk_max[c * mp + r];
+      const float m = chunk_max[c * mp + r];
       const bool live = r < rows && total > 0.0 && m != neg_inf;
-      ws.chunk_weight[c * mp + r] = live ? static_cast<float>(std::exp2(static_cast<double>(m) - row_max) / total) : 0.f;
+      chunk_weight[c * mp + r] = live ? static_cast<float>(std::exp2(static_cast<double>(m) - row_max) / total) : 0.f;
     }
   }
-  cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int) {
+}
+
+// Softmax pass 2 for chunk c: weighted column sums of the stored exps.
+void softmax_chunk_scores(const HeadJob& job, int64_t c) {
+  const WindowScoresParams& p = *job.p;
+  const int64_t first = c * kChunkKeys;
+  const int64_t count = std::min(kChunkKeys, job.len - first);
+  job.kernels->reduce_columns(job.ws->exps[job.buffers] + first * job.mp, job.mp, count,
+                              job.ws->chunk_weight[job.buffers] + c * job.mp,
+                              p.q_heads / p.kv_heads, p.window, p.reduce, job.out + first);
+}
+
+// Runs pass 1 of `current` (if any) and pass 2 of `previous` (if any) in one
+// parallel loop over chunks.
+void softmax_overlapped(const HeadJob* current, const HeadJob* previous, const CpuExecutor& exec) {
+  const HeadJob& any = current != nullptr ? *current : *previous;
+  const int64_t current_chunks = current != nullptr ? current->chunks() : 0;
+  const int64_t previous_chunks = previous != nullptr ? previous->chunks() : 0;
+  cpu::parallel_for(exec, std::max(current_chunks, previous_chunks), 1,
+                    [&](int64_t begin, int64_t end, int worker) {
+    float* keys = any.ws->worker_keys + worker * kChunkKeys * any.p->head_dim;
+    float* tile = any.ws->worker_tiles + worker * kChunkKeys * any.mp;
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t first = c * kChunkKeys;
-      const int64_t count = std::min(kChunkKeys, job.len - first);
-      job.kernels->reduce_columns(ws.exps + first * mp, mp, count, ws.chunk_weight + c * mp,
-                                  p.q_heads / p.kv_heads, p.window, p.reduce, job.out + first);
+      if (c < current_chunks) softmax_chunk_stats(*current, c, keys, tile);
+      if (c < previous_chunks) softmax_chunk_scores(*previous, c);
     }
   });
 }
@@ -203,6 +229,10 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
   for (int64_t r = 0; r < mp; ++r) ws.row_weight[r] = r < rows ? 1.f : 0.f;
   const cpu::WindowScoresKernels& kernels = cpu::best_window_scores_kernels();
 
+  // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment).
+  HeadJob previous{};
+  bool have_previous = false;
+  int buffers = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.seq_lens != nullptr ? p.seq_lens[b] : p.length;
     for (int64_t g = 0; g < p.kv_heads; ++g) {
@@ -212,15 +242,20 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
       pack_queries(p, b, g, mp, ws.q_packed);
       const char* k_head = static_cast<const char*>(p.k.data) +
                            (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype);
-      const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out};
+      const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out, buffers};
       if (p.lse != nullptr) {
         load_lse(p, b, g, mp, ws.lse2);
         run_head_with_lse(job, exec);
-      } else {
-        run_head_softmax(job, exec);
+        continue;
       }
+      softmax_overlapped(&job, have_previous ? &previous : nullptr, exec);
+      softmax_chunk_weights(job);
+      previous = job;
+      have_previous = true;
+      buffers ^= 1;
     }
   }
+  if (have_previous) softmax_overlapped(nullptr, &previous, exec);
   return Status::kOk;
 }
 

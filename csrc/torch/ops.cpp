@@ -6,6 +6,11 @@
 
 #include <cmath>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "torch/checks.h"
 
 namespace kvprune::torch_ext {
@@ -15,8 +20,19 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
+// Scratch memory for one call. CUDA: a block from PyTorch's caching allocator.
+// CPU: PyTorch's CPU allocator does not cache, and the first-touch page faults of
+// a fresh multi-MB buffer cost as much as the arithmetic, so each calling thread
+// keeps its largest CPU workspace for the next call.
 at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like) {
-  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, like.options().dtype(at::kByte));
+  const auto size = static_cast<int64_t>(std::max<size_t>(bytes, 1));
+  if (!like.is_cpu()) return at::empty({size}, like.options().dtype(at::kByte));
+  thread_local at::Tensor cached;
+  if (!cached.defined() || cached.numel() < size) {
+    cached = at::Tensor();  // free the old buffer before allocating the larger one
+    cached = at::empty({size}, at::TensorOptions().dtype(at::kByte));
+  }
+  return cached;
 }
 
 void check_cache_pair(const at::Tensor& k, const at::Tensor& v) {
@@ -127,8 +143,25 @@ void check_index(const at::Tensor& idx, const at::Tensor& k) {
   check_same_device(idx, "idx", k, "k");
 }
 
+// Fresh CPU buffers of many MB are mmapped by malloc: touching them page by page
+// costs one fault per 4 KiB. Populating the whole range in one call is cheaper.
+void prefault(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = t.numel() * t.element_size();
+  if (!t.is_cpu() || bytes < (size_t{1} << 22)) return;
+  const auto begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + page - 1) / page * page;
+  const auto end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+#else
+  (void)t;
+#endif
+}
+
 at::Tensor empty_like_kept(const at::Tensor& k, int64_t budget) {
-  return at::empty({k.size(0), k.size(1), budget, k.size(3)}, k.options());
+  at::Tensor out = at::empty({k.size(0), k.size(1), budget, k.size(3)}, k.options());
+  prefault(out);
+  return out;
 }
 
 }  // namespace
