@@ -2,6 +2,8 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <cmath>
+
 namespace kvprune::torch_ext {
 
 DType core_dtype(const at::Tensor& t, const char* name) {
@@ -91,6 +93,12 @@ GqaReduce parse_gqa(const std::string& gqa) {
   if (gqa == "sum") return GqaReduce::kSum;
   TORCH_CHECK_VALUE(false, "gqa must be 'mean', 'max' or 'sum', got '", gqa, "'");
   return GqaReduce::kMean;
+}
+
+float softmax_scale(std::optional<double> scale, int64_t head_dim) {
+  const double value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(value), "scale must be finite, got ", value);
+  return static_cast<float>(value);
 }
 
 PoolMode parse_pool(const std::string& mode, const char* name) {

@@ -38,6 +38,8 @@ const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t 
                              const at::Tensor& like);
 
 GqaReduce parse_gqa(const std::string& gqa);
+// The softmax scale: `scale` if given (must be finite), else 1/sqrt(head_dim).
+float softmax_scale(std::optional<double> scale, int64_t head_dim);
 PoolMode parse_pool(const std::string& mode, const char* name);
 
 // Raises RuntimeError (ValueError for kInvalidArgument) if status is not kOk.

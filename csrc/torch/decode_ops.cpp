@@ -226,9 +226,7 @@ at::Tensor decode_scores(const DecodeBackend& be, const at::Tensor& q, const at:
   p.capacity = capacity;
   p.num_q = num_q;
   p.head_dim = head_dim;
-  const double scale_value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
-  TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
-  p.scale = static_cast<float>(scale_value);
+  p.scale = softmax_scale(scale, head_dim);
   p.reduce = parse_gqa(gqa);
   const c10::DeviceGuard guard(q.device());
   const size_t ws_bytes = be.decode_scores_workspace(p);

@@ -1,24 +1,13 @@
 // CPU backend of the decode ops: the core's CPU kernels on ATen's thread pool.
-#include <ATen/Parallel.h>
-
+#include "torch/aten_executor.h"
 #include "torch/decode_ops.h"
 
 namespace kvprune::torch_ext {
 namespace {
 
-void aten_parallel_for(int64_t n, int64_t grain, void* body_ctx,
-                       void (*body)(void*, int64_t, int64_t, int), void*) {
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    body(body_ctx, begin, end, at::get_thread_num());
-  });
-}
-
 class CpuDecodeBackend final : public DecodeBackend {
  public:
-  CpuDecodeBackend() {
-    exec_.num_workers = at::get_num_threads();
-    exec_.parallel_for = aten_parallel_for;
-  }
+  CpuDecodeBackend() : exec_(aten_executor()) {}
   Status streaming_append(const StreamingAppendParams& p) const override {
     return streaming_append_cpu(p, exec_);
   }

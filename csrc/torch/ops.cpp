@@ -86,9 +86,7 @@ WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k
   p.length = length;
   p.window = window;
   p.head_dim = head_dim;
-  const double scale_value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
-  TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
-  p.scale = static_cast<float>(scale_value);
+  p.scale = softmax_scale(scale, head_dim);
   p.reduce = parse_gqa(gqa);
   p.seq_lens = seq_lens_data(seq_lens, batch, q);
   if (lse.has_value()) {

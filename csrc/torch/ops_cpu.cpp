@@ -1,21 +1,13 @@
 // CPU backend: the core's CPU kernels on ATen's intra-op thread pool.
-#include <ATen/Parallel.h>
-
+#include "torch/aten_executor.h"
 #include "torch/ops.h"
 
 namespace kvprune::torch_ext {
 namespace {
 
-void aten_parallel_for(int64_t n, int64_t grain, void* body_ctx,
-                       void (*body)(void*, int64_t, int64_t, int), void*) {
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    body(body_ctx, begin, end, at::get_thread_num());
-  });
-}
-
 class CpuBackend final : public Backend {
  public:
-  CpuBackend() { exec_.num_workers = at::get_num_threads(); exec_.parallel_for = aten_parallel_for; }
+  CpuBackend() : exec_(aten_executor()) {}
 
   size_t window_scores_workspace(const WindowScoresParams& p) const override {
     return window_scores_workspace_bytes_cpu(p, exec_);
