@@ -68,7 +68,8 @@ assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"'
 }
 
 run_tests() {
-  "$PY" -m pytest "$REPO/tests" -x -q -rs -p no:cacheprovider
+  # Not -x: on a first GPU run every failure is worth seeing.
+  "$PY" -m pytest "$REPO/tests" -q -rs --maxfail=30 -p no:cacheprovider
 }
 
 memcheck() {
@@ -89,11 +90,15 @@ bench_select() {
   "$PY" "$REPO/bench/bench_select.py"
 }
 
+bench_decode() {
+  "$PY" "$REPO/bench/bench_decode.py" --device cuda --repeats 20
+}
+
 plot_prefill() {
   "$PY" "$REPO/bench/plot_prefill.py" "$OUT/prefill.json" -o "$OUT/prefill.png"
 }
 
-export -f env_info build_install run_tests memcheck racecheck bench_prefill bench_select plot_prefill
+export -f env_info build_install run_tests memcheck racecheck bench_prefill bench_select bench_decode plot_prefill
 
 #    name           log           max  reserve(for the steps after)
 step env            setup.log      60  420 env_info
@@ -102,7 +107,8 @@ step tests          tests.log     240  170 run_tests
 step memcheck       sanitize.log   90  150 memcheck
 step racecheck      sanitize.log   90  120 racecheck
 step bench_prefill  bench.log     180   40 bench_prefill
-step bench_select   bench.log      90   10 bench_select
+step bench_select   bench.log      60   40 bench_select
+step bench_decode   bench.log      40   10 bench_decode
 step plot           bench.log      30    0 plot_prefill
 
 {
