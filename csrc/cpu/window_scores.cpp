@@ -116,7 +116,13 @@ void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys,
   const int64_t padded = (count + 5) / 6 * 6;
   job.kernels->pack_keys(job.k_head + first * p.k.token_stride * dtype_size(p.dtype), p.k.token_stride,
                          p.dtype, p.head_dim, count, padded, keys);
-  job.kernels->logits(job.ws->q_packed, job.mp, p.head_dim, keys, padded, tile);
+  const int64_t row_stride = p.k.token_stride * dtype_size(p.dtype);
+  cpu::KeyPrefetch next;  // the following chunk's rows (the chunk after `first`)
+  next.base = job.k_head + (first + count) * row_stride;
+  next.stride_bytes = row_stride;
+  next.rows = std::max<int64_t>(0, std::min(kChunkKeys, job.len - first - count));
+  next.row_bytes = p.head_dim * dtype_size(p.dtype);
+  job.kernels->logits(job.ws->q_packed, job.mp, p.head_dim, keys, padded, tile, next);
   apply_causal_mask(job, first, count, tile);
 }
 

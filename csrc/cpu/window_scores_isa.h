@@ -6,6 +6,7 @@
 // and then instantiates `kernels()` under that namespace.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -79,22 +80,33 @@ inline void logits_block(const float* q_packed, int64_t mp, int64_t head_dim,
       simd::store<kLanes>(tile + (key0 + n) * mp + row0 + m * kLanes, acc[m][n]);
 }
 
+// Hints the cache to fetch rows [first, last) of `next` (the K rows of the next
+// chunk) while this chunk computes, so the next pack_keys does not wait on memory.
+inline void prefetch_rows(const KeyPrefetch& next, int64_t first, int64_t last) {
+  for (int64_t r = first; r < std::min(last, next.rows); ++r)
+    for (int64_t byte = 0; byte < next.row_bytes; byte += 64)
+      __builtin_prefetch(next.base + r * next.stride_bytes + byte, 0, 2);
+}
+
 template <int kRowVecs>
 void logits_rows(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-                 int64_t num_keys, int64_t row0, float* tile) {
-  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock)
+                 int64_t num_keys, int64_t row0, float* tile, const KeyPrefetch* next) {
+  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock) {
+    if (next != nullptr) prefetch_rows(*next, key0, key0 + kKeyBlock);
     logits_block<kRowVecs>(q_packed, mp, head_dim, k_chunk, key0, row0, tile);
+  }
+  if (next != nullptr) prefetch_rows(*next, num_keys, next->rows);
 }
 
 void logits(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-            int64_t num_keys, float* tile) {
+            int64_t num_keys, float* tile, const KeyPrefetch& next) {
   constexpr int kBlock = KVPRUNE_ROW_VECS;
   const int64_t row_vecs = mp / kLanes;
   int64_t v = 0;
-  for (; v + kBlock <= row_vecs; v += kBlock)
-    logits_rows<kBlock>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile);
+  for (; v + kBlock <= row_vecs; v += kBlock)  // the first pass over the keys prefetches
+    logits_rows<kBlock>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile, v == 0 ? &next : nullptr);
   for (; v < row_vecs; ++v)  // leftover row vectors, one at a time
-    logits_rows<1>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile);
+    logits_rows<1>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile, v == 0 ? &next : nullptr);
 }
 
 void softmax_stats(const float* tile, int64_t mp, int64_t num_keys, float* exps,

@@ -21,13 +21,22 @@ constexpr int64_t kChunkKeys = 192;
 // Query rows are padded to a multiple of this.
 constexpr int64_t kRowAlign = 16;
 
+// K rows to prefetch while a chunk computes: rows [0, rows) at base + r * stride_bytes.
+struct KeyPrefetch {
+  const char* base = nullptr;
+  int64_t stride_bytes = 0;
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+};
+
 struct WindowScoresKernels {
   // k_chunk[j][:] = fp32(k[j * token_stride + :]) for j < num_keys, zero rows up to padded_keys.
   void (*pack_keys)(const void* k, int64_t token_stride, DType dtype, int64_t head_dim,
                     int64_t num_keys, int64_t padded_keys, float* k_chunk);
-  // tile[j][r] = sum_d q_packed[d][r] * k_chunk[j][d] for j < num_keys (a multiple of 6).
+  // tile[j][r] = sum_d q_packed[d][r] * k_chunk[j][d] for j < num_keys (a multiple of
+  // 6), prefetching `next` on the way.
   void (*logits)(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-                 int64_t num_keys, float* tile);
+                 int64_t num_keys, float* tile, const KeyPrefetch& next);
   // Per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked); then
   // exps[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked, stored past the
   // caches) and chunk_sum[r] = sum_j exps[j][r].
