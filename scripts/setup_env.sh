@@ -13,7 +13,8 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$VENV/bin/python" -c "import torch" 2>/dev/null || \
   "$VENV/bin/python" -m pip install -q "${KVPRUNE_TORCH:-torch==2.14.1}"
-"$VENV/bin/python" -m pip install -q numpy pytest expecttest
+# transformers: tests/test_hf.py runs kvprune_cuda.hf on a tiny random model (no download).
+"$VENV/bin/python" -m pip install -q numpy pytest expecttest "transformers==5.2.0"
 "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -v . > build/pip-install.log 2>&1 || {
   tail -n 60 build/pip-install.log; echo "kvprune_cuda: build failed (full log: build/pip-install.log)"; exit 1; }
 (cd /tmp && "$OLDPWD/$VENV/bin/python" -c "import kvprune_cuda as kp; print('kvprune_cuda', kp.build_info())")

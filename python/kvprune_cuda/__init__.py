@@ -29,6 +29,16 @@ from kvprune_cuda.decode import (
 
 __version__ = build_info()["version"]
 
+
+def __getattr__(name):
+    # ``kp.hf`` (Hugging Face integration) is imported on first use only: it needs
+    # ``transformers``, which the core package does not depend on.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("kvprune_cuda.hf")
+    raise AttributeError(f"module 'kvprune_cuda' has no attribute {name!r}")
+
 __all__ = [
     "KeptKV",
     "build_info",

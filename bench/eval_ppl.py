@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Perplexity on long real text (Jane Austen) with a full cache vs a bounded one.
+
+The model (Qwen2.5-Coder-0.5B-Instruct) reads N tokens of a novel. "full" is one forward over
+all N tokens. The bounded policies read the text in chunks of ``--chunk`` tokens under
+``kp.hf.compress``: after each chunk every layer is cut back to the budget (``streaming``:
+the ``n_sink`` sinks + the most recent tokens, as StreamingLLM; ``h2o``: sinks + recent window
++ the keys with the highest accumulated attention), so a token attends to at most
+``budget + chunk`` cached entries. Tokens keep their original RoPE positions. Reported: the
+perplexity over tokens ``[--skip, N)`` (the first tokens are identical for every policy) and the
+KV bytes held (largest over the run).
+
+    PYTHONPATH=python .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hf_common as common  # noqa: E402
+
+import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda import hf  # noqa: E402
+
+
+@torch.no_grad()
+def nll_full(model, ids):
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+
+
+@torch.no_grad()
+def nll_bounded(model, ids, policy, budget, chunk, n_sink, window, bar):
+    from transformers import DynamicCache
+
+    cache, out, held = DynamicCache(), [], 0
+    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=n_sink, window=window):
+        for s in range(0, ids.shape[1], chunk):
+            part = ids[:, s: s + chunk]
+            logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits[0].float()
+            held = max(held, hf.kv_bytes(cache))
+            out.append(logits)
+            bar.update(1)
+    logits = torch.cat(out)[:-1]
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none"), held
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--texts", type=int, default=2, help="number of text excerpts")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--policies", nargs="+", default=["streaming", "h2o"])
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--skip", type=int, default=1024, help="tokens excluded from the perplexity")
+    ap.add_argument("--n-sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "ppl_results.json")
+    args = ap.parse_args()
+
+    from tqdm import tqdm
+
+    torch.set_num_threads(common.threads())
+    model, tok = common.load_model(args.dtype)
+    novels = common.load_novels()
+    rng = random.Random(args.seed)
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+        (model.config.hidden_size // model.config.num_attention_heads) * model.dtype.itemsize
+    rows = []
+    n_chunks = math.ceil(args.tokens / args.chunk)
+    total = args.texts * (1 + len(args.policies) * len(args.budgets) * n_chunks)
+    bar = tqdm(total=total, desc="ppl", unit="fwd")
+    for t in range(args.texts):
+        name = sorted(novels)[rng.randrange(len(novels))]
+        text = novels[name]
+        start = rng.randrange(0, len(text) - 8 * args.tokens)
+        ids = tok(" ".join(text[start: start + 8 * args.tokens].split()),
+                  add_special_tokens=False, return_tensors="pt").input_ids[:, : args.tokens]
+        nll = nll_full(model, ids)
+        bar.update(1)
+        full = {"text": t, "novel": name, "policy": "full", "budget": args.tokens,
+                "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": per_token * args.tokens}
+        rows.append(full)
+        for pol in args.policies:
+            for b in args.budgets:
+                nll, held = nll_bounded(model, ids, pol, b, args.chunk, args.n_sink, args.window, bar)
+                rows.append({"text": t, "novel": name, "policy": pol, "budget": b,
+                             "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held})
+                tqdm.write(f"{name} {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
+                           f"(full {math.exp(full['nll']):.3f})")
+        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
+                                                 for k, v in vars(args).items()},
+                                        "machine": common.machine(), "commit": common.commit(),
+                                        "rows": rows}, indent=1))
+    bar.close()
+    print(table(rows, args))
+
+
+def table(rows, args) -> str:
+    """Markdown: mean NLL over texts -> perplexity, per policy and budget."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["budget"]), []).append(r)
+    full = sum(r["nll"] for r in groups[("full", args.tokens)]) / len(groups[("full", args.tokens)])
+    lines = ["| policy | KV budget (tokens) | KV held (MiB) | perplexity | vs full |",
+             "|---|---:|---:|---:|---:|"]
+    for (pol, b), rs in groups.items():
+        nll = sum(r["nll"] for r in rs) / len(rs)
+        mib = max(r["kv_bytes"] for r in rs) / 2**20
+        lines.append(f"| {pol} | {b} | {mib:.1f} | {math.exp(nll):.3f} | "
+                     f"{math.exp(nll) / math.exp(full):.3f}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""Hugging Face ``transformers`` integration: compress a causal LM's KV cache with kvprune ops.
+
+Optional: this module needs ``transformers`` (tested: 4.56.2, 5.2.0, 5.24.0) only at the point of use;
+``import kvprune_cuda`` never imports it. Usage::
+
+    import kvprune_cuda as kp
+    with kp.hf.compress(model, policy="snapkv", budget=0.2, n_sink=4, window=32, kernel_size=7):
+        out = model.generate(**inputs, max_new_tokens=32)
+
+Policies (``budget``: a fraction of the prompt length in (0, 1], or a token count):
+
+* ``"full"``      -- nothing is evicted (baseline; identical to plain ``generate``).
+* ``"streaming"`` -- StreamingLLM: ``kp.streaming`` after prefill keeps the ``n_sink`` sinks and
+  the most recent tokens; during decode the oldest non-sink token is evicted so each layer
+  holds at most ``budget`` tokens.
+* ``"snapkv"``    -- dual stage: sinks pinned + SnapKV voting by the real post-RoPE queries of
+  the last ``window`` prompt positions of each layer, GQA-native (``kp.snapkv``, no repeated
+  K), max/avg pooling, recent window kept. The cache then grows by the generated tokens
+  (as in SnapKV).
+* ``"h2o"``       -- heavy hitters: every query's attention probabilities (GQA-reduced,
+  ``kp.window_scores``) accumulate into a per-key score; after prefill the cache keeps sinks,
+  the last ``window`` tokens and the highest-score keys (``kp.select_keep`` /
+  ``kp.gather_kv``); during decode scores keep accumulating and the lowest-score key
+  outside sinks and recent window is evicted per KV head, so each layer holds ``budget``.
+
+How it hooks in: a forward hook on every attention module recomputes that layer's post-RoPE
+queries from the layer input (the module's own ``q_proj`` / ``q_norm`` /
+``apply_rotary_pos_emb``), keeps the last ``window`` of them, and compresses the layer's
+``DynamicCache`` entry right after the prefill forward of that layer. Kept keys keep their
+original RoPE rotation and new tokens keep their original positions (``cache_position`` /
+``position_ids`` count tokens seen, not tokens held), so nothing is re-rotated. Once a cache
+is compressed, the hooks build each layer's attention mask themselves (``[B, Hq, q, held+q]``,
+additive), so left-padded batches and multi-token forwards on a compressed cache (e.g. a
+question after a compressed context: the query-agnostic setting) stay exact. Left padding is
+handled by shifting each row to right padding and passing ``seq_lens`` to the kernels.
+Only ``DynamicCache`` (the default) with eager or SDPA attention is supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from typing import Iterator, Optional, Union
+
+import torch
+
+import kvprune_cuda as kp
+
+POLICIES = ("full", "streaming", "snapkv", "h2o")
+
+
+def resolve_budget(budget: Union[int, float], n: int) -> int:
+    """Tokens kept for a prompt of ``n`` tokens: ``round(budget * n)`` for a float in (0, 1], else ``budget``."""
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget: a float must be a fraction in (0, 1], got {budget}")
+        return max(1, int(round(budget * n)))
+    if int(budget) < 1:
+        raise ValueError(f"budget: a token count must be >= 1, got {budget}")
+    return int(budget)
+
+
+def cache_kv(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [B, Hkv, L, D] of one layer of a transformers DynamicCache."""
+    if hasattr(cache, "layers"):
+        lay = cache.layers[layer_idx]
+        return lay.keys, lay.values
+    return cache.key_cache[layer_idx], cache.value_cache[layer_idx]
+
+
+def set_cache_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    if hasattr(cache, "layers"):
+        cache.layers[layer_idx].keys, cache.layers[layer_idx].values = k, v
+    else:
+        cache.key_cache[layer_idx], cache.value_cache[layer_idx] = k, v
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of K and V actually held by a DynamicCache (all layers, padding slots included)."""
+    n = len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
+    total = 0
+    for i in range(n):
+        k, v = cache_kv(cache, i)
+        if k is not None and k.numel():
+            total += k.numel() * k.element_size() + v.numel() * v.element_size()
+    return total
+
+
+def _cache_arg(kwargs):
+    """The cache a forward received (``past_key_values``; ``cache`` in transformers >= 5.2x)."""
+    for name in ("past_key_values", "cache", "past_key_value"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def _shift_rows(x: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tensor:
+    """out[b, ..., j, ...] = x[b, ..., (j + shift[b]) mod N, ...] along ``dim`` (left -> right padding)."""
+    n = x.shape[dim]
+    idx = (torch.arange(n, device=x.device)[None, :] + shift[:, None]) % n  # [B, N]
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = x.shape[0], n
+    idx = idx.view(shape).expand_as(x)
+    return torch.gather(x, dim, idx)
+
+
+class _Layer:
+    """Per-layer state: last-window post-RoPE queries, H2O scores, slot validity once compressed."""
+
+    def __init__(self) -> None:
+        self.q_win: Optional[torch.Tensor] = None   # [B, Hq, <=W, D]
+        self.h2o: Optional[torch.Tensor] = None     # fp32 [B, Hkv, L], aligned with cache slots
+        self.valid: Optional[torch.Tensor] = None   # bool [B, Hkv, L]; None = not compressed
+        self.cap: Optional[int] = None               # decode capacity (streaming / h2o)
+
+
+class KVCompressor:
+    """Hooks that make ``model`` compress its DynamicCache. Prefer :func:`compress`.
+
+    ``compress_on_prefill=False`` only records queries / scores (for :meth:`compress_cache`,
+    e.g. to compress one captured prefill under several policies).
+    """
+
+    def __init__(self, model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *,
+                 n_sink: int = 4, window: int = 32, kernel_size: int = 7, pool: str = "max",
+                 gqa: str = "mean", compress_on_prefill: bool = True,
+                 track_h2o: Optional[bool] = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if isinstance(budget, int) and policy != "full" and budget < n_sink + window:
+            raise ValueError(f"budget: {budget} tokens < n_sink + window = {n_sink + window}")
+        resolve_budget(budget, 1)
+        self.model = model
+        self.policy, self.budget = policy, budget
+        self.n_sink, self.window, self.kernel_size = int(n_sink), int(window), int(kernel_size)
+        self.pool, self.gqa = pool, gqa
+        self.compress_on_prefill = compress_on_prefill
+        self.track_h2o = (policy == "h2o") if track_h2o is None else track_h2o
+        self.base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+        self.attn = [m for m in model.modules()
+                     if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+        if not self.attn:
+            raise ValueError("model: no attention modules with q_proj/k_proj/layer_idx found")
+        self._handles: list = []
+        params = inspect.signature(self.base.forward).parameters
+        self._has_cache_position = "cache_position" in params
+        self.reset()
+
+    # ----------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Forgets the sequence (a new prefill starts from an empty cache)."""
+        self.layers = {m.layer_idx: _Layer() for m in self.attn}
+        self.seen = 0                   # tokens processed so far (original positions)
+        self.prompt_len: Optional[int] = None
+        self.kept: Optional[int] = None  # tokens held per layer right after compression
+        self._prefill_valid: Optional[torch.Tensor] = None  # bool [B, N] of the prefill
+        self._new_valid: Optional[torch.Tensor] = None      # bool [B, q] of the current forward
+        self._cache = None
+
+    @property
+    def compressed(self) -> bool:
+        return any(s.valid is not None for s in self.layers.values())
+
+    def snapshot(self) -> dict:
+        """The captured state (shares tensors; the hooks never modify them in place)."""
+        return {"layers": {i: vars(s).copy() for i, s in self.layers.items()}, "seen": self.seen,
+                "prompt_len": self.prompt_len, "kept": self.kept,
+                "prefill_valid": self._prefill_valid}
+
+    def restore(self, snap: dict) -> None:
+        for i, d in snap["layers"].items():
+            self.layers[i].__dict__.update(d)
+        self.seen, self.prompt_len, self.kept = snap["seen"], snap["prompt_len"], snap["kept"]
+        self._prefill_valid = snap["prefill_valid"]
+
+    # ----------------------------------------------------------------- hooks
+    def attach(self) -> "KVCompressor":
+        if self._handles:
+            return self
+        h = self._handles
+        h.append(self.base.register_forward_pre_hook(self._base_pre, with_kwargs=True))
+        h.append(self.base.register_forward_hook(self._base_post, with_kwargs=True))
+        for m in self.attn:
+            h.append(m.register_forward_pre_hook(self._attn_pre, with_kwargs=True))
+            h.append(m.register_forward_hook(self._attn_post, with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _base_pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        emb = kwargs.get("inputs_embeds")
+        x = ids if ids is not None else emb
+        b, q = x.shape[0], x.shape[1]
+        cache = _cache_arg(kwargs)
+        held = cache.get_seq_length() if cache is not None else 0
+        if held == 0:
+            self.reset()
+        self._cache = cache
+        mask = kwargs.get("attention_mask")
+        mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        new_valid = (mask2d[:, -q:].bool() if mask2d is not None
+                     else torch.ones(b, q, dtype=torch.bool, device=x.device))
+        self._new_valid = new_valid
+        if not self.compressed:
+            self.seen = held
+            if held == 0:
+                self._prefill_valid = new_valid
+            elif self._prefill_valid is not None:
+                self._prefill_valid = torch.cat([self._prefill_valid, new_valid], 1)
+            return args, kwargs
+        pos = torch.arange(self.seen, self.seen + q, device=x.device)
+        if self._has_cache_position and kwargs.get("cache_position") is None:
+            kwargs["cache_position"] = pos
+        if kwargs.get("position_ids") is None:
+            cp = kwargs.get("cache_position")
+            kwargs["position_ids"] = (pos if cp is None else cp).unsqueeze(0).expand(b, q)
+        kwargs["attention_mask"] = None  # each attention layer gets its own mask (_attn_pre)
+        return args, kwargs
+
+    def _base_post(self, module, args, kwargs, output):
+        self.seen += self._new_valid.shape[1]
+        return output
+
+    def _attn_pre(self, module, args, kwargs):
+        st = self.layers[module.layer_idx]
+        if st.valid is None:
+            return args, kwargs
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        b, q = hs.shape[:2]
+        hq = module.config.num_attention_heads
+        past = st.valid                                                   # [B, Hkv, P]
+        g = hq // past.shape[1]
+        causal = torch.ones(q, q, dtype=torch.bool, device=hs.device).tril()
+        new = self._new_valid[:, None, None, :] & causal                  # [B, 1, q, q]
+        if bool(past.all()):
+            pm = torch.ones(b, 1, q, past.shape[2], dtype=torch.bool, device=hs.device)
+            allowed = torch.cat([pm, new], -1)
+        else:
+            pm = past.repeat_interleave(g, 1)[:, :, None, :].expand(b, hq, q, past.shape[2])
+            allowed = torch.cat([pm, new.expand(b, hq, q, q)], -1)
+        m = torch.zeros(allowed.shape, dtype=hs.dtype, device=hs.device)
+        kwargs["attention_mask"] = m.masked_fill_(~allowed, torch.finfo(hs.dtype).min)
+        return args, kwargs
+
+    def _attn_post(self, module, args, kwargs, output):
+        i = module.layer_idx
+        st = self.layers[i]
+        cache = _cache_arg(kwargs)
+        cache = self._cache if cache is None else cache
+        if cache is None:
+            return output
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        q_len = hs.shape[1]
+        k, v = cache_kv(cache, i)
+        if self.policy == "full" and self.compress_on_prefill and st.valid is None:
+            if self.seen == 0 and k.shape[2] == q_len:  # nothing to record: plain attention
+                self.prompt_len = self.kept = q_len
+            return output
+        cos, sin = kwargs["position_embeddings"]
+        n_q = q_len if self.track_h2o else min(q_len, self.window)
+        qn = self._queries(module, hs[:, -n_q:], cos[:, -n_q:], sin[:, -n_q:]).to(k.dtype)
+        w = qn[:, :, -self.window:]
+        st.q_win = w if st.q_win is None else torch.cat([st.q_win, w], 2)[:, :, -self.window:]
+        if self.track_h2o:
+            self._accumulate_h2o(st, qn, k)
+        if st.valid is not None:
+            nv = self._new_valid[:, None, :].expand(-1, k.shape[1], -1)
+            st.valid = torch.cat([st.valid, nv], 2)
+            if st.cap is not None and k.shape[2] > st.cap:
+                self._evict(i, cache, st)
+        elif self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:
+            if self.policy == "full":
+                self.prompt_len = self.kept = q_len
+            else:
+                self.compress_layer(cache, i)
+        return output
+
+    # ----------------------------------------------------------------- pieces
+    @staticmethod
+    def _queries(module, hs, cos, sin) -> torch.Tensor:
+        """Post-RoPE queries [B, Hq, n, D] of ``hs`` [B, n, hidden], as the module computes them."""
+        b, n = hs.shape[:2]
+        q = module.q_proj(hs).view(b, n, -1, module.head_dim)
+        if getattr(module, "q_norm", None) is not None:
+            q = module.q_norm(q)
+        q = q.transpose(1, 2)
+        rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+        return rope(q, q, cos, sin)[0]
+
+    def _left_pad(self, n_tok: int) -> Optional[torch.Tensor]:
+        """Per-row left padding of the (uncompressed) cache, or None if there is none."""
+        pv = self._prefill_valid
+        if pv is None or pv.shape[1] != n_tok or bool(pv.all()):
+            return None
+        n = pv.sum(1)
+        pad = pv.shape[1] - n
+        ok = torch.arange(pv.shape[1], device=pv.device)[None, :] >= pad[:, None]
+        if not torch.equal(ok, pv):
+            raise ValueError("attention_mask: only left padding is supported")
+        return pad
+
+    def _accumulate_h2o(self, st: _Layer, qn: torch.Tensor, k: torch.Tensor) -> None:
+        pad = self._left_pad(k.shape[2]) if st.valid is None else None
+        if pad is None:
+            s = kp.window_scores(qn, k, gqa=self.gqa)
+        else:
+            lens = (k.shape[2] - pad).to(torch.int32)
+            s = _shift_rows(kp.window_scores(qn, _shift_rows(k, pad, 2), gqa=self.gqa,
+                                             seq_lens=lens), -pad, 2)
+        if st.h2o is not None and st.h2o.shape[2] <= s.shape[2]:
+            s[:, :, : st.h2o.shape[2]] += st.h2o
+        st.h2o = s
+
+    def compress_layer(self, cache, i: int, policy: Optional[str] = None,
+                       budget: Union[int, float, None] = None) -> None:
+        """Compresses layer ``i`` of ``cache`` (not yet compressed) with the captured queries."""
+        policy = policy or self.policy
+        st = self.layers[i]
+        k, v = cache_kv(cache, i)
+        b, hkv, n, _ = k.shape
+        kb = resolve_budget(self.budget if budget is None else budget, n)
+        if policy != "full":
+            kb = max(kb, self.n_sink + self.window)
+        self.prompt_len = n
+        pad = self._left_pad(n)
+        if policy == "full" or kb >= n:
+            valid = (torch.ones(b, n, dtype=torch.bool, device=k.device)
+                     if self._prefill_valid is None or self._prefill_valid.shape[1] != n
+                     else self._prefill_valid)
+            st.valid = valid[:, None, :].expand(b, hkv, n).clone()
+            st.cap = kb if policy in ("streaming", "h2o") else None
+            self.kept = n
+            return
+        lens = None
+        if pad is not None:
+            k, v = _shift_rows(k, pad, 2), _shift_rows(v, pad, 2)
+            lens = (n - pad).to(torch.int32)
+        if policy == "streaming":
+            kk, vv, idx = kp.streaming(k, v, kb, n_sink=self.n_sink, seq_lens=lens)
+        elif policy == "snapkv":
+            kk, vv, idx = kp.snapkv(st.q_win, k, v, kb, n_sink=self.n_sink, window=self.window,
+                                    kernel_size=self.kernel_size, pool=self.pool, gqa=self.gqa,
+                                    seq_lens=lens)
+        elif policy == "h2o":
+            if st.h2o is None:
+                raise RuntimeError("h2o: no accumulated scores (track_h2o=False?)")
+            s = st.h2o if pad is None else _shift_rows(st.h2o, pad, 2)
+            idx = kp.select_keep(s.contiguous(), kb, n_sink=self.n_sink, window=self.window,
+                                 seq_lens=lens)
+            kk, vv = kp.gather_kv(k, v, idx)
+        else:
+            raise ValueError(f"policy: {policy!r}")
+        if st.h2o is not None:
+            s = st.h2o if pad is None else _shift_rows(st.h2o, pad, 2)
+            st.h2o = torch.gather(s, 2, idx.clamp_min(0).long()) * (idx >= 0)
+        set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+        st.valid = idx >= 0
+        st.cap = kb if policy in ("streaming", "h2o") else None
+        self.kept = kb
+
+    def compress_cache(self, cache, policy: Optional[str] = None,
+                       budget: Union[int, float, None] = None) -> None:
+        """Compresses every layer of ``cache`` now (e.g. a context before its question arrives)."""
+        for i in sorted(self.layers):
+            if self.layers[i].valid is None:
+                self.compress_layer(cache, i, policy, budget)
+        if policy is not None:
+            self.policy = policy
+        if budget is not None:
+            self.budget = budget
+
+    def _evict(self, i: int, cache, st: _Layer) -> None:
+        """Decode-time eviction down to ``st.cap`` slots (streaming: oldest; h2o: lowest score)."""
+        k, v = cache_kv(cache, i)
+        p = k.shape[2]
+        excess = p - st.cap
+        slot = torch.arange(p, device=k.device)
+        rank = st.valid.long().cumsum(2) - 1
+        protect = (rank < self.n_sink) & st.valid
+        if self.policy == "h2o":
+            protect |= slot >= p - self.window
+            key = st.h2o.clone()
+        else:
+            key = slot.to(torch.float32).expand(st.valid.shape).clone()
+        key.masked_fill_(protect, float("inf")).masked_fill_(~st.valid, float("-inf"))
+        drop = torch.argsort(key, dim=2, stable=True)[:, :, :excess]
+        keep = torch.ones_like(st.valid).scatter_(2, drop, False)
+        idx = torch.sort(torch.where(keep, slot, p), dim=2).values[:, :, : st.cap]
+        kk, vv = kp.gather_kv(k, v, idx.to(torch.int32))
+        set_cache_kv(cache, i, kk, vv)
+        st.valid = torch.gather(st.valid, 2, idx)
+        if st.h2o is not None:
+            st.h2o = torch.gather(st.h2o, 2, idx)
+
+
+@contextlib.contextmanager
+def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
+             window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
+             ) -> Iterator[KVCompressor]:
+    """Within the block, ``model`` compresses its KV cache after each prefill (see module doc).
+
+    Yields the :class:`KVCompressor` (``.kept``, ``.prompt_len``; :func:`kv_bytes` of a cache).
+    """
+    kvc = KVCompressor(model, policy, budget, n_sink=n_sink, window=window,
+                       kernel_size=kernel_size, pool=pool, gqa=gqa).attach()
+    try:
+        yield kvc
+    finally:
+        kvc.detach()
