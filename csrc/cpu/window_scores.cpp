@@ -113,7 +113,7 @@ void apply_causal_mask(const HeadJob& job, int64_t first, int64_t count, float* 
 // Logits of keys [first, first+count) into tile, masked.
 void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys, float* tile) {
   const WindowScoresParams& p = *job.p;
-  const int64_t padded = (count + 5) / 6 * 6;
+  const int64_t padded = (count + cpu::kKeyBlock - 1) / cpu::kKeyBlock * cpu::kKeyBlock;
   job.kernels->pack_keys(job.k_head + first * p.k.token_stride * dtype_size(p.dtype), p.k.token_stride,
                          p.dtype, p.head_dim, count, padded, keys);
   const int64_t row_stride = p.k.token_stride * dtype_size(p.dtype);

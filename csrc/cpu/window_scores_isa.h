@@ -23,7 +23,6 @@ namespace kvprune::cpu::KVPRUNE_ISA_NAMESPACE {
 namespace {
 
 constexpr int kLanes = KVPRUNE_LANES;
-constexpr int kKeyBlock = 6;  // keys per register block (NR)
 using V = simd::Vec<kLanes>;
 
 void convert_row(const void* src, DType dtype, int64_t count, float* dst) {

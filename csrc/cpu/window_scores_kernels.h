@@ -15,9 +15,10 @@
 
 namespace kvprune::cpu {
 
-// Keys per chunk: the unit of parallel work and of the fp32 K copy. A multiple of
-// every kernel's key blocking (6).
-constexpr int64_t kChunkKeys = 192;
+// Keys per register block of the logits kernel: `logits` takes a multiple of this.
+constexpr int64_t kKeyBlock = 6;
+// Keys per chunk: the unit of parallel work and of the fp32 K copy.
+constexpr int64_t kChunkKeys = 32 * kKeyBlock;
 // Query rows are padded to a multiple of this.
 constexpr int64_t kRowAlign = 16;
 
@@ -34,7 +35,7 @@ struct WindowScoresKernels {
   void (*pack_keys)(const void* k, int64_t token_stride, DType dtype, int64_t head_dim,
                     int64_t num_keys, int64_t padded_keys, float* k_chunk);
   // tile[j][r] = sum_d q_packed[d][r] * k_chunk[j][d] for j < num_keys (a multiple of
-  // 6), prefetching `next` on the way.
+  // kKeyBlock), prefetching `next` on the way.
   void (*logits)(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
                  int64_t num_keys, float* tile, const KeyPrefetch& next);
   // Per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked); then

@@ -101,15 +101,15 @@ WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k
   return p;
 }
 
-SelectKeepParams select_params(const at::Tensor& scores, int64_t budget, int64_t n_sink,
-                               int64_t window, const std::optional<at::Tensor>& seq_lens) {
+// Selection over [batch, heads, length] scores (pointers are set by the caller).
+SelectKeepParams select_params(int64_t batch, int64_t heads, int64_t length, const int32_t* seq_lens,
+                               int64_t budget, int64_t n_sink, int64_t window) {
   check_budget(budget, n_sink, window);
   SelectKeepParams p;
-  p.scores = scores.data_ptr<float>();
-  p.seq_lens = seq_lens_data(seq_lens, scores.size(0), scores);
-  p.batch = scores.size(0);
-  p.heads = scores.size(1);
-  p.length = scores.size(2);
+  p.seq_lens = seq_lens;
+  p.batch = batch;
+  p.heads = heads;
+  p.length = length;
   p.budget = budget;
   p.n_sink = n_sink;
   p.window = window;
@@ -202,7 +202,10 @@ at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kern
 at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budget, int64_t n_sink,
                        int64_t window, const std::optional<at::Tensor>& seq_lens) {
   check_scores(scores, "scores");
-  SelectKeepParams p = select_params(scores, budget, n_sink, window, seq_lens);
+  SelectKeepParams p = select_params(scores.size(0), scores.size(1), scores.size(2),
+                                     seq_lens_data(seq_lens, scores.size(0), scores), budget,
+                                     n_sink, window);
+  p.scores = scores.data_ptr<float>();
   const c10::DeviceGuard guard(scores.device());
   at::Tensor idx = at::empty({p.batch, p.heads, budget}, scores.options().dtype(at::kInt));
   p.keep_idx = idx.data_ptr<int32_t>();
@@ -266,17 +269,10 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
   const c10::DeviceGuard guard(q.device());
 
   // One workspace: scores [B,Hkv,N] fp32, then each stage's scratch.
-  SelectKeepParams select_p;
-  select_p.seq_lens = score_p.seq_lens;
-  select_p.batch = score_p.batch;
-  select_p.heads = score_p.kv_heads;
-  select_p.length = score_p.length;
-  select_p.budget = budget;
-  select_p.n_sink = n_sink;
-  select_p.window = window;
+  SelectKeepParams select_p = select_params(score_p.batch, score_p.kv_heads, score_p.length,
+                                            score_p.seq_lens, budget, n_sink, window);
   select_p.pool_kernel_size = kernel_size;
   select_p.pool_mode = parse_pool(pool, "pool");
-  check_budget(budget, n_sink, window);
   const size_t scores_bytes = align_up(score_p.batch * score_p.kv_heads * score_p.length * sizeof(float));
   const size_t score_ws = align_up(be.window_scores_workspace(score_p));
   const size_t select_ws = align_up(be.select_keep_workspace(select_p));
