@@ -138,6 +138,25 @@ def test_matches_composed_ops(pool, device, gen):
     assert_gathered(k, v, kept.idx, kept.k, kept.v)
 
 
+@pytest.mark.parametrize("with_lse", [False, True], ids=["softmax", "lse"])
+@pytest.mark.parametrize("lens", [None, (0, 1000, 37, 0, 612)], ids=["full", "ragged"])
+def test_fused_equals_staged_exactly(lens, with_lse, device, gen):
+    """The fused op (which on the CPU selects and gathers each head while scoring the
+    next ones) returns exactly what the four public ops return when chained: many
+    heads and rows, empty and short rows, pieces of the gather spanning rows."""
+    case = Case(3, 2, 1000, 16, 150, window=16, lens=lens, with_lse=with_lse)
+    q, k, v, lse, seq_lens = make_inputs(case, torch.float32, device, gen)
+    kept = run_snapkv(case, q, k, v, lse, seq_lens)
+    scores = kp.window_scores(q, k, lse=lse, seq_lens=seq_lens)
+    pooled = kp.pool_scores(scores, case.kernel_size, case.pool, window=case.window,
+                            seq_lens=seq_lens)
+    idx = kp.select_keep(pooled, case.budget, n_sink=case.n_sink, window=case.window,
+                         seq_lens=seq_lens)
+    out_k, out_v = kp.gather_kv(k, v, idx)
+    assert torch.equal(kept.idx, idx)
+    assert torch.equal(kept.k, out_k) and torch.equal(kept.v, out_v)
+
+
 def separated_inputs(kv_heads, group, length, dtype, device, gen, head_dim=64):
     """Inputs whose scores are strictly ordered with ~5 % gaps: every window query is
     the same vector along dim 0 and key j is rank_j * e0 (ranks distinct, exact in

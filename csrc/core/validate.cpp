@@ -77,6 +77,19 @@ Status validate(const GatherKvParams& p) {
   return Status::kOk;
 }
 
+Status validate_agreement(const SnapKvParams& p) {
+  const WindowScoresParams& sc = p.scores;
+  const SelectKeepParams& se = p.select;
+  const GatherKvParams& ga = p.gather;
+  const bool same_problem = se.batch == sc.batch && se.heads == sc.kv_heads &&
+                            se.length == sc.length && se.seq_lens == sc.seq_lens &&
+                            ga.batch == sc.batch && ga.heads == sc.kv_heads &&
+                            ga.length == sc.length && ga.head_dim == sc.head_dim &&
+                            ga.dtype == sc.dtype && ga.budget == se.budget &&
+                            ga.keep_idx == se.keep_idx;
+  return same_problem ? Status::kOk : Status::kInvalidArgument;
+}
+
 Status validate_seq_lens_host(const int32_t* seq_lens, int64_t batch, int64_t length) {
   if (seq_lens == nullptr) return Status::kOk;
   for (int64_t b = 0; b < batch; ++b)

@@ -16,6 +16,9 @@ Status validate(const PoolScoresParams& p);
 Status validate(const SelectKeepParams& p);
 Status validate(const StreamingKeepParams& p);
 Status validate(const GatherKvParams& p);
+// The parts of a SnapKvParams agree (see params.h); each part is checked on its own
+// by the stage entry points.
+Status validate_agreement(const SnapKvParams& p);
 
 // CPU only (host memory): every seq_lens[b] lies in [0, length]. Null is valid.
 Status validate_seq_lens_host(const int32_t* seq_lens, int64_t batch, int64_t length);

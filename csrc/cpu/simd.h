@@ -81,30 +81,33 @@ inline float horizontal_sum(Vec<kLanes> v) {
 }
 
 // 2^x for x <= 128, with results below 2^-126 (and x = -inf) flushed to zero.
-// Relative error about 1e-7: Horner form of the degree-7 Taylor series of 2^f
-// on f in [-0.5, 0.5] times an exponent built from the rounded integer part.
+// Relative error below 1e-7: x = n + f with n = round(x) and f in [-0.5, 0.5];
+// 2^f is a degree-6 polynomial fitted for relative error on that interval, and
+// 2^n is built from the bits of x + 1.5 * 2^23, whose low mantissa bits hold n.
 template <int kLanes>
 inline Vec<kLanes> exp2(Vec<kLanes> x) {
   using V = Vec<kLanes>;
   using I = IntVec<kLanes>;
   const I underflow = x < splat<kLanes>(-126.f);
   x = vmax<kLanes>(x, splat<kLanes>(-126.f));
-  const V shifted = x + 0.5f;
-  I whole = __builtin_convertvector(shifted, I);  // truncates toward zero
-  whole -= (shifted < __builtin_convertvector(whole, V)) ? I{} + 1 : I{};  // -> floor
-  const V frac = x - __builtin_convertvector(whole, V);  // in [-0.5, 0.5]
-  constexpr float c1 = 0.69314718056f, c2 = 0.24022650695f, c3 = 0.05550410866f,
-                  c4 = 0.00961812911f, c5 = 0.00133335581f, c6 = 0.00015403530f,
-                  c7 = 0.00001525273f;
-  V poly = splat<kLanes>(c7);
-  poly = poly * frac + c6;
+  const V round_magic = splat<kLanes>(12582912.f);  // 1.5 * 2^23
+  const V shifted = x + round_magic;               // round to nearest integer
+  const V frac = x - (shifted - round_magic);      // in [-0.5, 0.5]
+  constexpr float c1 = 0.6931471824645996f, c2 = 0.24022646248340607f,
+                  c3 = 0.05550328642129898f, c4 = 0.009618489071726799f,
+                  c5 = 0.0013399930903688073f, c6 = 0.0001534580806037411f;
+  V poly = splat<kLanes>(c6);
   poly = poly * frac + c5;
   poly = poly * frac + c4;
   poly = poly * frac + c3;
   poly = poly * frac + c2;
   poly = poly * frac + c1;
   poly = poly * frac + 1.f;
-  const I scale_bits = (whole + 127) << 23;
+  I bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  // The low 9 bits of `bits` are n + 127 (in [1, 255]): shifted into the exponent
+  // field they make 2^n; the higher bits fall off the top (C++20 shifts wrap).
+  const I scale_bits = (bits + 127) << 23;
   V scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
   const V result = poly * scale;

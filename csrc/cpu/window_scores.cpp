@@ -11,8 +11,12 @@
 //    give each row's exact normaliser and a second sweep sums the stored columns
 //    with per-(chunk, row) weights. That sweep is memory-bound, so it runs in the
 //    same tasks as the next head's (compute-bound) logits, with two exps buffers
-//    alternating between heads. K is read once either way; the only large scratch
-//    is two heads' [N][rows] fp32 exps.
+//    alternating between heads. Its memory traffic hides under the logits
+//    arithmetic: while chunk c's logits are computed, the logits kernel also
+//    streams this worker's previous tile out to the exps buffer and prefetches
+//    the previous head's exps of chunk c, which the sweep reads right after.
+//    K is read once either way; the only large scratch is two heads' [N][rows]
+//    fp32 exps.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -20,6 +24,7 @@
 #include "core/validate.h"
 #include "cpu/half.h"
 #include "cpu/parallel.h"
+#include "cpu/window_scores_driver.h"
 #include "cpu/window_scores_kernels.h"
 #include "kvprune/kvprune.h"
 
@@ -46,7 +51,7 @@ struct Workspace {
   float* chunk_weight[2]; // [chunks][Mp] chunk sums, then final weights
   float* exps[2];         // [chunks * kChunkKeys][Mp]
   float* worker_keys;  // [workers][kChunkKeys][D]
-  float* worker_tiles; // [workers][kChunkKeys][Mp]
+  float* worker_tiles; // [workers][2][kChunkKeys][Mp] (the current and the previous chunk)
   size_t floats;       // total size
 
   Workspace(const WindowScoresParams& p, int workers, float* base) {
@@ -68,7 +73,7 @@ struct Workspace {
       exps[i] = take(chunks * kChunkKeys * mp);
     }
     worker_keys = take(workers * kChunkKeys * p.head_dim);
-    worker_tiles = take(workers * kChunkKeys * mp);
+    worker_tiles = take(workers * 2 * kChunkKeys * mp);
     floats = static_cast<size_t>(cursor - base);
   }
 };
@@ -79,6 +84,7 @@ struct HeadJob {
   const cpu::WindowScoresKernels* kernels;
   const Workspace* ws;
   const char* k_head;  // k[b, g] as bytes
+  int64_t row;         // b * kv_heads + g
   int64_t len;         // valid keys of this row
   int64_t mp;
   float* out;          // scores[b, g, :]
@@ -110,73 +116,81 @@ void apply_causal_mask(const HeadJob& job, int64_t first, int64_t count, float* 
   }
 }
 
-// Logits of keys [first, first+count) into tile, masked.
-void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys, float* tile) {
+// Logits of keys [first, first+count) into tile, masked; `background` (whose
+// next_keys this fills in) runs during the arithmetic.
+void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys, float* tile,
+                  cpu::BackgroundWork background) {
   const WindowScoresParams& p = *job.p;
   const int64_t padded = (count + cpu::kKeyBlock - 1) / cpu::kKeyBlock * cpu::kKeyBlock;
-  job.kernels->pack_keys(job.k_head + first * p.k.token_stride * dtype_size(p.dtype), p.k.token_stride,
-                         p.dtype, p.head_dim, count, padded, keys);
   const int64_t row_stride = p.k.token_stride * dtype_size(p.dtype);
-  cpu::KeyPrefetch next;  // the following chunk's rows (the chunk after `first`)
+  const char* chunk_rows = job.k_head + first * row_stride;
+  // fp32 K is read in place unless the chunk needs zero padding; others are converted.
+  const float* k_chunk = reinterpret_cast<const float*>(chunk_rows);
+  int64_t k_stride = p.k.token_stride;
+  if (p.dtype != DType::kFloat32 || padded != count) {
+    job.kernels->pack_keys(chunk_rows, p.k.token_stride, p.dtype, p.head_dim, count, padded, keys);
+    k_chunk = keys;
+    k_stride = p.head_dim;
+  }
+  cpu::KeyPrefetch& next = background.next_keys;  // the chunk after this one
   next.base = job.k_head + (first + count) * row_stride;
   next.stride_bytes = row_stride;
   next.rows = std::max<int64_t>(0, std::min(kChunkKeys, job.len - first - count));
   next.row_bytes = p.head_dim * dtype_size(p.dtype);
-  job.kernels->logits(job.ws->q_packed, job.mp, p.head_dim, keys, padded, tile, next);
+  job.kernels->logits(job.ws->q_packed, job.mp, p.head_dim, k_chunk, k_stride, padded, tile,
+                      background);
   apply_causal_mask(job, first, count, tile);
 }
 
-void run_head_with_lse(const HeadJob& job, const CpuExecutor& exec) {
+// Adds the sink's prefetch hints for step `piece` of the current loop.
+cpu::BackgroundWork with_sink_prefetch(cpu::BackgroundWork background, cpu::ScoredRowSink* sink,
+                                       int64_t piece) {
+  if (sink != nullptr) sink->prefetch_piece(piece, &background);
+  return background;
+}
+
+void run_head_with_lse(const HeadJob& job, cpu::ScoredRowSink* sink, const CpuExecutor& exec) {
   const WindowScoresParams& p = *job.p;
-  const int64_t chunks = (job.len + kChunkKeys - 1) / kChunkKeys;
+  const int64_t chunks = job.chunks();
+  if (sink != nullptr) sink->loop_begin(chunks);
   cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int worker) {
     float* keys = job.ws->worker_keys + worker * kChunkKeys * p.head_dim;
-    float* tile = job.ws->worker_tiles + worker * kChunkKeys * job.mp;
+    float* tile = job.ws->worker_tiles + worker * 2 * kChunkKeys * job.mp;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunkKeys;
       const int64_t count = std::min(kChunkKeys, job.len - first);
-      chunk_logits(job, first, count, keys, tile);
+      chunk_logits(job, first, count, keys, tile, with_sink_prefetch({}, sink, c));
       job.kernels->exp_minus(tile, job.mp, count, job.ws->lse2);
       job.kernels->reduce_columns(tile, job.mp, count, job.ws->row_weight, p.q_heads / p.kv_heads,
                                   p.window, p.reduce, job.out + first);
+      if (sink != nullptr) sink->run_piece(c);
     }
   });
 }
 
-// Softmax pass 1 for chunk c: logits, then exps and per-row (max, sum) of the chunk.
-void softmax_chunk_stats(const HeadJob& job, int64_t c, float* keys, float* tile) {
+// Softmax pass 1 for chunk c: logits, then in place exps and per-row (max, sum) of
+// the chunk; the tile reaches the exps buffer during the worker's next logits (or
+// its final flush).
+void softmax_chunk_stats(const HeadJob& job, int64_t c, float* keys, float* tile,
+                         const cpu::BackgroundWork& background) {
   const Workspace& ws = *job.ws;
   const int64_t first = c * kChunkKeys;
   const int64_t count = std::min(kChunkKeys, job.len - first);
-  chunk_logits(job, first, count, keys, tile);
-  job.kernels->softmax_stats(tile, job.mp, count, ws.exps[job.buffers] + first * job.mp,
-                             ws.chunk_max[job.buffers] + c * job.mp,
+  chunk_logits(job, first, count, keys, tile, background);
+  job.kernels->softmax_stats(tile, job.mp, count, ws.chunk_max[job.buffers] + c * job.mp,
                              ws.chunk_weight[job.buffers] + c * job.mp);
 }
 
 // Exact normaliser per row from the chunk (max, sum) pairs, then per-chunk weights
-// 2^(chunk_max - row_max) / row_total. Rows that see no key (padding, or a query
-// before position 0) get weight 0.
-void softmax_chunk_weights(const HeadJob& job) {
+// 2^(chunk_max - row_max) / row_total, in parallel over blocks of rows.
+void softmax_chunk_weights(const HeadJob& job, const CpuExecutor& exec) {
   const WindowScoresParams& p = *job.p;
-  const int64_t mp = job.mp, chunks = job.chunks();
-  const float* chunk_max = job.ws->chunk_max[job.buffers];
-  float* chunk_weight = job.ws->chunk_weight[job.buffers];
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t rows = p.q_heads / p.kv_heads * p.window;
-  for (int64_t r = 0; r < mp; ++r) {
-    float row_max = neg_inf;
-    for (int64_t c = 0; c < chunks; ++c) row_max = std::max(row_max, chunk_max[c * mp + r]);
-    double total = 0.0;
-    if (row_max != neg_inf)
-      for (int64_t c = 0; c < chunks; ++c)
-        total += chunk_weight[c * mp + r] * std::exp2(static_cast<double>(chunk_max[c * mp + r]) - row_max);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float m = chunk_max[c * mp + r];
-      const bool live = r < rows && total > 0.0 && m != neg_inf;
-      chunk_weight[c * mp + r] = live ? static_cast<float>(std::exp2(static_cast<double>(m) - row_max) / total) : 0.f;
-    }
-  }
+  const int64_t live_rows = p.q_heads / p.kv_heads * p.window;
+  cpu::parallel_for(exec, job.mp / cpu::kRowAlign, 1, [&](int64_t begin, int64_t end, int) {
+    job.kernels->chunk_weights(job.ws->chunk_max[job.buffers], job.ws->chunk_weight[job.buffers],
+                               job.chunks(), job.mp, begin * cpu::kRowAlign, end * cpu::kRowAlign,
+                               live_rows);
+  });
 }
 
 // Softmax pass 2 for chunk c: weighted column sums of the stored exps.
@@ -190,19 +204,41 @@ void softmax_chunk_scores(const HeadJob& job, int64_t c) {
 }
 
 // Runs pass 1 of `current` (if any) and pass 2 of `previous` (if any) in one
-// parallel loop over chunks.
-void softmax_overlapped(const HeadJob* current, const HeadJob* previous, const CpuExecutor& exec) {
+// parallel loop over chunks, with the sink's pieces. Each worker alternates
+// between its two tiles: the one finished last is copied out while the other
+// receives the next logits.
+void softmax_overlapped(const HeadJob* current, const HeadJob* previous, cpu::ScoredRowSink* sink,
+                        const CpuExecutor& exec) {
   const HeadJob& any = current != nullptr ? *current : *previous;
   const int64_t current_chunks = current != nullptr ? current->chunks() : 0;
   const int64_t previous_chunks = previous != nullptr ? previous->chunks() : 0;
-  cpu::parallel_for(exec, std::max(current_chunks, previous_chunks), 1,
-                    [&](int64_t begin, int64_t end, int worker) {
+  const int64_t steps = std::max(current_chunks, previous_chunks);
+  if (sink != nullptr) sink->loop_begin(steps);
+  cpu::parallel_for(exec, steps, 1, [&](int64_t begin, int64_t end, int worker) {
     float* keys = any.ws->worker_keys + worker * kChunkKeys * any.p->head_dim;
-    float* tile = any.ws->worker_tiles + worker * kChunkKeys * any.mp;
+    float* tiles = any.ws->worker_tiles + worker * 2 * kChunkKeys * any.mp;
+    cpu::BackgroundWork pending;  // copy-out of this worker's last finished tile
     for (int64_t c = begin; c < end; ++c) {
-      if (c < current_chunks) softmax_chunk_stats(*current, c, keys, tile);
+      const int64_t first = c * kChunkKeys;
+      cpu::BackgroundWork background = with_sink_prefetch(pending, sink, c);
+      pending = {};
+      if (c < previous_chunks) {  // the exps pass 2 reads after these logits
+        background.prefetch = previous->ws->exps[previous->buffers] + first * any.mp;
+        background.prefetch_floats = std::min(kChunkKeys, previous->len - first) * any.mp;
+      }
+      if (c < current_chunks) {
+        float* tile = tiles + (c - begin) % 2 * kChunkKeys * any.mp;
+        softmax_chunk_stats(*current, c, keys, tile, background);
+        pending.copy_from = tile;
+        pending.copy_to = current->ws->exps[current->buffers] + first * any.mp;
+        pending.copy_floats = std::min(kChunkKeys, current->len - first) * any.mp;
+      } else {
+        any.kernels->stream_copy(background);
+      }
       if (c < previous_chunks) softmax_chunk_scores(*previous, c);
+      if (sink != nullptr) sink->run_piece(c);
     }
+    any.kernels->stream_copy(pending);  // also fences this worker's streaming stores
   });
 }
 
@@ -222,8 +258,9 @@ size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuE
   return Workspace(p, cpu::num_workers(exec), nullptr).floats * sizeof(float);
 }
 
-Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
-                         const CpuExecutor& exec) {
+Status cpu::window_scores_with_sink(const WindowScoresParams& p, void* workspace,
+                                    size_t workspace_bytes, const CpuExecutor& exec,
+                                    ScoredRowSink* sink) {
   if (auto s = validate(p); s != Status::kOk) return s;
   if (auto s = validate_seq_lens_host(p.seq_lens, p.batch, p.length); s != Status::kOk) return s;
   const int workers = cpu::num_workers(exec);
@@ -235,34 +272,50 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
   for (int64_t r = 0; r < mp; ++r) ws.row_weight[r] = r < rows ? 1.f : 0.f;
   const cpu::WindowScoresKernels& kernels = cpu::best_window_scores_kernels();
 
-  // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment).
+  // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment),
+  // so a head's scores are final only after the next head's loop.
   HeadJob previous{};
   bool have_previous = false;
   int buffers = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.seq_lens != nullptr ? p.seq_lens[b] : p.length;
     for (int64_t g = 0; g < p.kv_heads; ++g) {
-      float* out = p.scores + (b * p.kv_heads + g) * p.length;
+      const int64_t row = b * p.kv_heads + g;
+      float* out = p.scores + row * p.length;
       std::fill(out + len, out + p.length, 0.f);
-      if (len == 0) continue;
+      if (len == 0) {
+        if (sink != nullptr) sink->row_ready(row);
+        continue;
+      }
       pack_queries(p, b, g, mp, ws.q_packed);
       const char* k_head = static_cast<const char*>(p.k.data) +
                            (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype);
-      const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out, buffers};
+      const HeadJob job{&p, &kernels, &ws, k_head, row, len, mp, out, buffers};
       if (p.lse != nullptr) {
         load_lse(p, b, g, mp, ws.lse2);
-        run_head_with_lse(job, exec);
+        run_head_with_lse(job, sink, exec);
+        if (sink != nullptr) sink->row_ready(row);
         continue;
       }
-      softmax_overlapped(&job, have_previous ? &previous : nullptr, exec);
-      softmax_chunk_weights(job);
+      softmax_overlapped(&job, have_previous ? &previous : nullptr, sink, exec);
+      if (have_previous && sink != nullptr) sink->row_ready(previous.row);
+      softmax_chunk_weights(job, exec);
       previous = job;
       have_previous = true;
       buffers ^= 1;
     }
   }
-  if (have_previous) softmax_overlapped(nullptr, &previous, exec);
+  if (have_previous) {
+    softmax_overlapped(nullptr, &previous, sink, exec);
+    if (sink != nullptr) sink->row_ready(previous.row);
+  }
+  if (sink != nullptr) sink->finish(exec);
   return Status::kOk;
+}
+
+Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
+                         const CpuExecutor& exec) {
+  return cpu::window_scores_with_sink(p, workspace, workspace_bytes, exec, nullptr);
 }
 
 }  // namespace kvprune

@@ -55,22 +55,69 @@ void pack_keys(const void* k, int64_t token_stride, DType dtype, int64_t head_di
   std::memset(k_chunk + num_keys * head_dim, 0, (padded_keys - num_keys) * head_dim * sizeof(float));
 }
 
-// One MR x NR register block: rows [row0, row0 + kRowVecs*kLanes), keys [key0, key0+6).
+// Copies floats [begin, end) of work.copy_from to work.copy_to past the caches
+// (begin and end are multiples of kLanes).
+inline void stream_copy_range(const BackgroundWork& work, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += kLanes)
+    simd::stream_store<kLanes>(work.copy_to + i, simd::load<kLanes>(work.copy_from + i));
+}
+
+// Part `step` of `steps` equal parts of the background work: prefetch the next
+// chunk's K rows and the floats read soon after, and copy the finished tile out.
+inline void background_slice(const BackgroundWork& work, int64_t step, int64_t steps) {
+  constexpr int64_t kLineFloats = 16;  // one 64-byte cache line
+  auto part = [&](int64_t total, int64_t unit, int64_t* begin, int64_t* end) {
+    const int64_t units = (total + unit - 1) / unit;
+    *begin = std::min(total, units * step / steps * unit);
+    *end = std::min(total, units * (step + 1) / steps * unit);
+  };
+  int64_t begin, end;
+  const KeyPrefetch& keys = work.next_keys;
+  part(keys.rows, 1, &begin, &end);
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t byte = 0; byte < keys.row_bytes; byte += 64)
+      __builtin_prefetch(keys.base + r * keys.stride_bytes + byte, 0, 2);
+  for (const RowListPrefetch& list : work.row_lists) {
+    part(list.count, 1, &begin, &end);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = list.idx[i];
+      if (row < 0 || row >= list.limit) continue;
+      for (int64_t byte = 0; byte < list.row_bytes; byte += 64)
+        __builtin_prefetch(list.base + row * list.stride_bytes + byte, 0, 2);
+    }
+  }
+  part(work.prefetch_floats, kLineFloats, &begin, &end);
+  for (int64_t i = begin; i < end; i += kLineFloats) __builtin_prefetch(work.prefetch + i, 0, 2);
+  part(work.copy_floats, kLineFloats, &begin, &end);
+  stream_copy_range(work, begin, end);
+}
+
+// Background parts per register block: one after each quarter of the D loop.
+constexpr int64_t kSlicesPerBlock = 4;
+
+// One MR x NR register block: rows [row0, row0 + kRowVecs*kLanes), keys [key0, key0+6),
+// with background parts [first_slice, first_slice + kSlicesPerBlock) of `slices`.
 template <int kRowVecs>
 inline void logits_block(const float* q_packed, int64_t mp, int64_t head_dim,
-                         const float* k_chunk, int64_t key0, int64_t row0, float* tile) {
+                         const float* k_chunk, int64_t k_stride, int64_t key0, int64_t row0,
+                         float* tile, const BackgroundWork& background, int64_t first_slice,
+                         int64_t slices) {
   V acc[kRowVecs][kKeyBlock] = {};
-  const float* k_rows = k_chunk + key0 * head_dim;
-  for (int64_t d = 0; d < head_dim; ++d) {
-    V q[kRowVecs];
+  const float* k_rows = k_chunk + key0 * k_stride;
+  for (int64_t quarter = 0; quarter < kSlicesPerBlock; ++quarter) {
+    const int64_t d_end = head_dim * (quarter + 1) / kSlicesPerBlock;
+    for (int64_t d = head_dim * quarter / kSlicesPerBlock; d < d_end; ++d) {
+      V q[kRowVecs];
 #pragma GCC unroll 8
-    for (int m = 0; m < kRowVecs; ++m) q[m] = simd::load<kLanes>(q_packed + d * mp + row0 + m * kLanes);
+      for (int m = 0; m < kRowVecs; ++m) q[m] = simd::load<kLanes>(q_packed + d * mp + row0 + m * kLanes);
 #pragma GCC unroll 8
-    for (int n = 0; n < kKeyBlock; ++n) {
-      const float k_value = k_rows[n * head_dim + d];
+      for (int n = 0; n < kKeyBlock; ++n) {
+        const float k_value = k_rows[n * k_stride + d];
 #pragma GCC unroll 8
-      for (int m = 0; m < kRowVecs; ++m) acc[m][n] += q[m] * k_value;
+        for (int m = 0; m < kRowVecs; ++m) acc[m][n] += q[m] * k_value;
+      }
     }
+    background_slice(background, first_slice + quarter, slices);
   }
 #pragma GCC unroll 8
   for (int n = 0; n < kKeyBlock; ++n)
@@ -79,37 +126,33 @@ inline void logits_block(const float* q_packed, int64_t mp, int64_t head_dim,
       simd::store<kLanes>(tile + (key0 + n) * mp + row0 + m * kLanes, acc[m][n]);
 }
 
-// Hints the cache to fetch rows [first, last) of `next` (the K rows of the next
-// chunk) while this chunk computes, so the next pack_keys does not wait on memory.
-inline void prefetch_rows(const KeyPrefetch& next, int64_t first, int64_t last) {
-  for (int64_t r = first; r < std::min(last, next.rows); ++r)
-    for (int64_t byte = 0; byte < next.row_bytes; byte += 64)
-      __builtin_prefetch(next.base + r * next.stride_bytes + byte, 0, 2);
-}
-
+// Keys of rows [row0, row0 + kRowVecs * kLanes); register block b of this pass is
+// background step first_step + b of `steps`.
 template <int kRowVecs>
 void logits_rows(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-                 int64_t num_keys, int64_t row0, float* tile, const KeyPrefetch* next) {
-  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock) {
-    if (next != nullptr) prefetch_rows(*next, key0, key0 + kKeyBlock);
-    logits_block<kRowVecs>(q_packed, mp, head_dim, k_chunk, key0, row0, tile);
-  }
-  if (next != nullptr) prefetch_rows(*next, num_keys, next->rows);
+                 int64_t k_stride, int64_t num_keys, int64_t row0, float* tile,
+                 const BackgroundWork& background, int64_t first_step, int64_t steps) {
+  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock)
+    logits_block<kRowVecs>(q_packed, mp, head_dim, k_chunk, k_stride, key0, row0, tile, background,
+                           (first_step + key0 / kKeyBlock) * kSlicesPerBlock, steps * kSlicesPerBlock);
 }
 
 void logits(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-            int64_t num_keys, float* tile, const KeyPrefetch& next) {
+            int64_t k_stride, int64_t num_keys, float* tile, const BackgroundWork& background) {
   constexpr int kBlock = KVPRUNE_ROW_VECS;
   const int64_t row_vecs = mp / kLanes;
-  int64_t v = 0;
-  for (; v + kBlock <= row_vecs; v += kBlock)  // the first pass over the keys prefetches
-    logits_rows<kBlock>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile, v == 0 ? &next : nullptr);
-  for (; v < row_vecs; ++v)  // leftover row vectors, one at a time
-    logits_rows<1>(q_packed, mp, head_dim, k_chunk, num_keys, v * kLanes, tile, v == 0 ? &next : nullptr);
+  const int64_t passes = row_vecs / kBlock + row_vecs % kBlock;  // full blocks, then leftovers
+  const int64_t blocks = num_keys / kKeyBlock;
+  int64_t v = 0, pass = 0;
+  for (; v + kBlock <= row_vecs; v += kBlock, ++pass)
+    logits_rows<kBlock>(q_packed, mp, head_dim, k_chunk, k_stride, num_keys, v * kLanes, tile, background,
+                        pass * blocks, passes * blocks);
+  for (; v < row_vecs; ++v, ++pass)  // leftover row vectors, one at a time
+    logits_rows<1>(q_packed, mp, head_dim, k_chunk, k_stride, num_keys, v * kLanes, tile, background,
+                   pass * blocks, passes * blocks);
 }
 
-void softmax_stats(const float* tile, int64_t mp, int64_t num_keys, float* exps,
-                   float* chunk_max, float* chunk_sum) {
+void softmax_stats(float* tile, int64_t mp, int64_t num_keys, float* chunk_max, float* chunk_sum) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < mp; r += kLanes) {
     V row_max = simd::splat<kLanes>(neg_inf);
@@ -119,13 +162,44 @@ void softmax_stats(const float* tile, int64_t mp, int64_t num_keys, float* exps,
     const V finite_max = row_max == simd::splat<kLanes>(neg_inf) ? V{} : row_max;
     V row_sum = V{};
     for (int64_t j = 0; j < num_keys; ++j) {
-      const V e = simd::exp2<kLanes>(simd::load<kLanes>(tile + j * mp + r) - finite_max);
-      simd::stream_store<kLanes>(exps + j * mp + r, e);  // read again only after all chunks
+      float* line = tile + j * mp + r;
+      const V e = simd::exp2<kLanes>(simd::load<kLanes>(line) - finite_max);
+      simd::store<kLanes>(line, e);
       row_sum += e;
     }
     simd::store<kLanes>(chunk_max + r, row_max);
     simd::store<kLanes>(chunk_sum + r, row_sum);
   }
+}
+
+void chunk_weights(const float* chunk_max, float* chunk_weight, int64_t chunks, int64_t mp,
+                   int64_t row_begin, int64_t row_end, int64_t live_rows) {
+  typedef double Wide __attribute__((vector_size(kLanes * 8)));  // the total, in double
+  const V neg_inf = simd::splat<kLanes>(-std::numeric_limits<float>::infinity());
+  for (int64_t r = row_begin; r < row_end; r += kLanes) {
+    V row_max = neg_inf;
+    for (int64_t c = 0; c < chunks; ++c) row_max = simd::vmax<kLanes>(row_max, simd::load<kLanes>(chunk_max + c * mp + r));
+    const V finite_max = row_max == neg_inf ? V{} : row_max;
+    Wide total = Wide{};
+    for (int64_t c = 0; c < chunks; ++c) {  // chunk_weight: chunk sums -> 2^(chunk max - row max)
+      float* weight = chunk_weight + c * mp + r;
+      const V scale = simd::exp2<kLanes>(simd::load<kLanes>(chunk_max + c * mp + r) - finite_max);
+      total += __builtin_convertvector(simd::load<kLanes>(weight) * scale, Wide);
+      simd::store<kLanes>(weight, scale);
+    }
+    V live = V{};  // 1 on rows that are real and see a key
+    for (int i = 0; i < kLanes; ++i) live[i] = r + i < live_rows && total[i] > 0.0 ? 1.f : 0.f;
+    const Wide safe_total = total > Wide{} ? total : Wide{} + 1.0;
+    const V inverse = live / __builtin_convertvector(safe_total, V);
+    for (int64_t c = 0; c < chunks; ++c) {
+      float* weight = chunk_weight + c * mp + r;
+      simd::store<kLanes>(weight, simd::load<kLanes>(weight) * inverse);
+    }
+  }
+}
+
+void stream_copy(const BackgroundWork& work) {
+  stream_copy_range(work, 0, work.copy_floats);
   simd::stream_fence();
 }
 
@@ -164,7 +238,8 @@ void reduce_columns(const float* tile, int64_t mp, int64_t num_keys, const float
 }  // namespace
 
 const WindowScoresKernels& kernels() {
-  static const WindowScoresKernels table{pack_keys, logits, softmax_stats, exp_minus, reduce_columns};
+  static const WindowScoresKernels table{pack_keys, logits, softmax_stats, chunk_weights, stream_copy,
+                                          exp_minus, reduce_columns};
   return table;
 }
 

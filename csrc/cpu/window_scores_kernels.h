@@ -5,7 +5,7 @@
 // Layouts used by every kernel (Mp = query rows padded to a multiple of 16):
 //   q_packed [D][Mp]     fp32, row r = (query head in group) * W + window index,
 //                        pre-multiplied by scale * log2(e) so logits are base-2
-//   k_chunk  [keys][D]   fp32 copy of one chunk of K rows
+//   k_chunk  [keys][D]   fp32 K rows of one chunk (a copy, or fp32 K in place, strided)
 //   tile     [keys][Mp]  fp32 base-2 logits, one key per Mp-long line
 #pragma once
 
@@ -30,19 +30,53 @@ struct KeyPrefetch {
   int64_t row_bytes = 0;
 };
 
+// Scattered rows to prefetch: base + idx[i] * stride_bytes for i < count, skipping
+// indices outside [0, limit).
+struct RowListPrefetch {
+  const char* base = nullptr;
+  int64_t stride_bytes = 0;
+  const int32_t* idx = nullptr;
+  int64_t count = 0;
+  int64_t limit = 0;
+  int64_t row_bytes = 0;
+};
+
+// Memory traffic the logits kernel spreads evenly over its register blocks, so it
+// runs under the arithmetic instead of before or after it.
+struct BackgroundWork {
+  KeyPrefetch next_keys;              // K rows of the chunk after this one
+  RowListPrefetch row_lists[2];       // rows a ScoredRowSink copies after the chunk
+  const float* prefetch = nullptr;    // [prefetch_floats] pulled into L2 (read soon after)
+  int64_t prefetch_floats = 0;
+  const float* copy_from = nullptr;   // [copy_floats], a multiple of kRowAlign, in cache...
+  float* copy_to = nullptr;           // ...stored here past the caches
+  int64_t copy_floats = 0;
+};
+
 struct WindowScoresKernels {
   // k_chunk[j][:] = fp32(k[j * token_stride + :]) for j < num_keys, zero rows up to padded_keys.
   void (*pack_keys)(const void* k, int64_t token_stride, DType dtype, int64_t head_dim,
                     int64_t num_keys, int64_t padded_keys, float* k_chunk);
-  // tile[j][r] = sum_d q_packed[d][r] * k_chunk[j][d] for j < num_keys (a multiple of
-  // kKeyBlock), prefetching `next` on the way.
+  // tile[j][r] = sum_d q_packed[d][r] * k_chunk[j * k_stride + d] for j < num_keys (a
+  // multiple of kKeyBlock), doing `background` on the way. k_chunk is a pack_keys
+  // copy or, for fp32 K, the K rows themselves.
   void (*logits)(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-                 int64_t num_keys, float* tile, const KeyPrefetch& next);
-  // Per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked); then
-  // exps[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked, stored past the
-  // caches) and chunk_sum[r] = sum_j exps[j][r].
-  void (*softmax_stats)(const float* tile, int64_t mp, int64_t num_keys, float* exps,
-                        float* chunk_max, float* chunk_sum);
+                 int64_t k_stride, int64_t num_keys, float* tile, const BackgroundWork& background);
+  // In place, per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked), then
+  // tile[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked) and
+  // chunk_sum[r] = sum_j tile[j][r].
+  void (*softmax_stats)(float* tile, int64_t mp, int64_t num_keys, float* chunk_max,
+                        float* chunk_sum);
+  // Rows [row_begin, row_end) (multiples of kRowAlign) of the exact softmax
+  // normalisation: with M[r] = max_c chunk_max[c][r] and
+  // total[r] = sum_c chunk_weight[c][r] * 2^(chunk_max[c][r] - M[r]), overwrites
+  // chunk_weight[c][r] with 2^(chunk_max[c][r] - M[r]) / total[r], or 0 where
+  // r >= live_rows, the chunk is fully masked or the row sees no key.
+  void (*chunk_weights)(const float* chunk_max, float* chunk_weight, int64_t chunks, int64_t mp,
+                        int64_t row_begin, int64_t row_end, int64_t live_rows);
+  // copy_to[i] = copy_from[i] for i < copy_floats, past the caches (the whole
+  // copy part of a BackgroundWork at once; prefetch and next_keys are ignored).
+  void (*stream_copy)(const BackgroundWork& work);
   // tile[j][r] = 2^(tile[j][r] - lse2[r]) (lse2 in base 2; +inf gives 0).
   void (*exp_minus)(float* tile, int64_t mp, int64_t num_keys, const float* lse2);
   // out[j] = reduce over query heads h of sum_{i<window} tile[j][h*window+i] * weight[h*window+i]

@@ -31,6 +31,12 @@ Status select_keep_cpu(const SelectKeepParams& p, void* workspace, size_t worksp
                        const CpuExecutor& exec);
 Status streaming_keep_cpu(const StreamingKeepParams& p, const CpuExecutor& exec);
 Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec);
+// The three stages fused: each head's K/V rows are selected and gathered while
+// the next heads are scored, so the gather's memory traffic hides under the
+// score arithmetic.
+size_t snapkv_workspace_bytes_cpu(const SnapKvParams& p, const CpuExecutor& exec);
+Status snapkv_cpu(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
+                  const CpuExecutor& exec);
 
 // ---- CUDA backend (return kNotCompiled when built without CUDA) ------------------
 // All work is enqueued on `stream`; nothing synchronises with the host.
@@ -43,6 +49,10 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
                         cudaStream_t stream);
 Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream);
 Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream);
+// The three stages chained on `stream` (scores and scratch in the workspace).
+size_t snapkv_workspace_bytes_cuda(const SnapKvParams& p);
+Status snapkv_cuda(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
 
 }  // namespace kvprune
 

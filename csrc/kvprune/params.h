@@ -148,4 +148,17 @@ struct GatherKvParams {
   RopeParams rope;  // optional fused re-rotation of K (default: none)
 };
 
+// SnapKV end to end: window scores -> pooled selection -> gather, in one call.
+// The parts describe one problem and must agree: select.{batch, heads, length,
+// seq_lens} and gather.{batch, heads, length} equal scores.{batch, kv_heads,
+// length, seq_lens}; gather.budget == select.budget; gather.keep_idx ==
+// select.keep_idx (the kept positions, an output like out_k/out_v);
+// gather.dtype == scores.dtype; gather.k describes the same keys as scores.k.
+// scores.scores and select.scores are ignored: the scores live in the workspace.
+struct SnapKvParams {
+  WindowScoresParams scores;
+  SelectKeepParams select;
+  GatherKvParams gather;
+};
+
 }  // namespace kvprune

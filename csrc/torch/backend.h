@@ -19,6 +19,8 @@ class Backend {
   virtual Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const = 0;
   virtual Status streaming_keep(const StreamingKeepParams& p) const = 0;
   virtual Status gather_kv(const GatherKvParams& p) const = 0;
+  virtual size_t snapkv_workspace(const SnapKvParams& p) const = 0;
+  virtual Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const = 0;
 };
 
 }  // namespace kvprune::torch_ext

@@ -6,19 +6,10 @@
 
 #include <cmath>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
-
 #include "torch/checks.h"
 
 namespace kvprune::torch_ext {
 namespace {
-
-// Byte offsets of the buffers carved from one workspace allocation.
-constexpr size_t kAlign = 256;
-size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 // Scratch memory for one call. CUDA: a block from PyTorch's caching allocator.
 // CPU: PyTorch's CPU allocator does not cache, and the first-touch page faults of
@@ -141,25 +132,8 @@ void check_index(const at::Tensor& idx, const at::Tensor& k) {
   check_same_device(idx, "idx", k, "k");
 }
 
-// Fresh CPU buffers of many MB are mmapped by malloc: touching them page by page
-// costs one fault per 4 KiB. Populating the whole range in one call is cheaper.
-void prefault(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t bytes = t.numel() * t.element_size();
-  if (!t.is_cpu() || bytes < (size_t{1} << 22)) return;
-  const auto begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + page - 1) / page * page;
-  const auto end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) / page * page;
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
-#else
-  (void)t;
-#endif
-}
-
 at::Tensor empty_like_kept(const at::Tensor& k, int64_t budget) {
-  at::Tensor out = at::empty({k.size(0), k.size(1), budget, k.size(3)}, k.options());
-  prefault(out);
-  return out;
+  return at::empty({k.size(0), k.size(1), budget, k.size(3)}, k.options());
 }
 
 }  // namespace
@@ -265,31 +239,22 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     const std::optional<at::Tensor>& seq_lens) {
   check_cache_pair(k, v);
   check_kernel_size(kernel_size);
-  WindowScoresParams score_p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  SnapKvParams p;
+  p.scores = window_scores_params(q, k, lse, scale, gqa, seq_lens);
   const c10::DeviceGuard guard(q.device());
-
-  // One workspace: scores [B,Hkv,N] fp32, then each stage's scratch.
-  SelectKeepParams select_p = select_params(score_p.batch, score_p.kv_heads, score_p.length,
-                                            score_p.seq_lens, budget, n_sink, window);
-  select_p.pool_kernel_size = kernel_size;
-  select_p.pool_mode = parse_pool(pool, "pool");
-  const size_t scores_bytes = align_up(score_p.batch * score_p.kv_heads * score_p.length * sizeof(float));
-  const size_t score_ws = align_up(be.window_scores_workspace(score_p));
-  const size_t select_ws = align_up(be.select_keep_workspace(select_p));
-  at::Tensor ws = allocate_workspace(scores_bytes + std::max(score_ws, select_ws), q);
-  char* base = static_cast<char*>(ws.data_ptr());
-  score_p.scores = reinterpret_cast<float*>(base);
-  check_status(be.window_scores(score_p, base + scores_bytes, score_ws), "snapkv (window scores)");
-
-  at::Tensor idx = at::empty({score_p.batch, score_p.kv_heads, budget}, q.options().dtype(at::kInt));
-  select_p.scores = score_p.scores;
-  select_p.keep_idx = idx.data_ptr<int32_t>();
-  check_status(be.select_keep(select_p, base + scores_bytes, select_ws), "snapkv (select)");
-  ws.reset();  // scores and scratch are dead: give them back before the outputs are allocated
-
+  p.select = select_params(p.scores.batch, p.scores.kv_heads, p.scores.length, p.scores.seq_lens,
+                           budget, n_sink, window);
+  p.select.pool_kernel_size = kernel_size;
+  p.select.pool_mode = parse_pool(pool, "pool");
+  // Outputs first: the CPU backend gathers each head while scoring the next ones.
+  at::Tensor idx = at::empty({p.scores.batch, p.scores.kv_heads, budget}, q.options().dtype(at::kInt));
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);
-  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "snapkv (gather)");
+  p.select.keep_idx = idx.data_ptr<int32_t>();
+  p.gather = gather_params(k, v, idx, out_k, out_v);
+  const size_t ws_bytes = be.snapkv_workspace(p);
+  at::Tensor ws = allocate_workspace(ws_bytes, q);
+  check_status(be.snapkv(p, ws.data_ptr(), ws_bytes), "snapkv");
   return {out_k, out_v, idx};
 }
 

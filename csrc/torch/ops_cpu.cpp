@@ -26,6 +26,12 @@ class CpuBackend final : public Backend {
     return streaming_keep_cpu(p, exec_);
   }
   Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cpu(p, exec_); }
+  size_t snapkv_workspace(const SnapKvParams& p) const override {
+    return snapkv_workspace_bytes_cpu(p, exec_);
+  }
+  Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
+    return snapkv_cpu(p, ws, ws_bytes, exec_);
+  }
 
  private:
   CpuExecutor exec_;

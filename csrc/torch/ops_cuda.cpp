@@ -9,7 +9,6 @@ namespace {
 
 class CudaBackend final : public Backend {
  public:
-
   size_t window_scores_workspace(const WindowScoresParams& p) const override {
     return window_scores_workspace_bytes_cuda(p);
   }
@@ -27,6 +26,12 @@ class CudaBackend final : public Backend {
     return streaming_keep_cuda(p, stream());
   }
   Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream()); }
+  size_t snapkv_workspace(const SnapKvParams& p) const override {
+    return snapkv_workspace_bytes_cuda(p);
+  }
+  Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
+    return snapkv_cuda(p, ws, ws_bytes, stream());
+  }
 
  private:
   // Looked up at each call, after the op body's DeviceGuard selected the tensors' device.

@@ -120,11 +120,84 @@ void test_select_and_gather() {
          "gather_kv_cpu copies rows and zero-fills padding");
 }
 
+// snapkv_cpu equals window_scores_cpu -> select_keep_cpu (pooled) -> gather_kv_cpu.
+void test_snapkv_matches_chained_stages() {
+  const int hq = 4, hkv = 2, w = 4, n = 700, d = 16, budget = 90;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(hq * w * d), k(hkv * n * d), v(hkv * n * d);
+  for (auto* t : {&q, &k, &v})
+    for (auto& x : *t) x = normal(rng);
+  kvprune::SnapKvParams p;
+  kvprune::WindowScoresParams& sc = p.scores;
+  sc.q = {q.data(), hq * w * d, w * d, d};
+  sc.k = {k.data(), hkv * n * d, n * d, d};
+  sc.batch = 1;
+  sc.q_heads = hq;
+  sc.kv_heads = hkv;
+  sc.length = n;
+  sc.window = w;
+  sc.head_dim = d;
+  sc.scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::vector<int32_t> idx(hkv * budget, -7);
+  kvprune::SelectKeepParams& se = p.select;
+  se.keep_idx = idx.data();
+  se.batch = 1;
+  se.heads = hkv;
+  se.length = n;
+  se.budget = budget;
+  se.n_sink = 2;
+  se.window = w;
+  se.pool_kernel_size = 5;
+  std::vector<float> kept_k(hkv * budget * d, NAN), kept_v(hkv * budget * d, NAN);
+  kvprune::GatherKvParams& ga = p.gather;
+  ga.k = {k.data(), hkv * n * d, n * d, d};
+  ga.v = {v.data(), hkv * n * d, n * d, d};
+  ga.keep_idx = idx.data();
+  ga.out_k = {kept_k.data(), hkv * budget * d, budget * d, d};
+  ga.out_v = {kept_v.data(), hkv * budget * d, budget * d, d};
+  ga.batch = 1;
+  ga.heads = hkv;
+  ga.length = n;
+  ga.budget = budget;
+  ga.head_dim = d;
+  const kvprune::CpuExecutor serial;
+  std::vector<char> workspace(kvprune::snapkv_workspace_bytes_cpu(p, serial));
+  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), serial) == kvprune::Status::kOk,
+         "snapkv_cpu returns kOk");
+
+  std::vector<float> scores(hkv * n);
+  sc.scores = scores.data();
+  std::vector<char> score_ws(kvprune::window_scores_workspace_bytes_cpu(sc, serial));
+  kvprune::window_scores_cpu(sc, score_ws.data(), score_ws.size(), serial);
+  std::vector<int32_t> chained_idx(hkv * budget);
+  kvprune::SelectKeepParams chained_select = se;
+  chained_select.scores = scores.data();
+  chained_select.keep_idx = chained_idx.data();
+  std::vector<char> select_ws(kvprune::select_keep_workspace_bytes_cpu(chained_select, serial));
+  kvprune::select_keep_cpu(chained_select, select_ws.data(), select_ws.size(), serial);
+  expect(idx == chained_idx, "snapkv_cpu keeps what the chained stages keep");
+  bool rows_copied = true;
+  for (int h = 0; h < hkv; ++h)
+    for (int t = 0; t < budget; ++t)
+      for (int x = 0; x < d; ++x) {
+        const int src = (h * n + idx[h * budget + t]) * d + x, dst = (h * budget + t) * d + x;
+        rows_copied = rows_copied && kept_k[dst] == k[src] && kept_v[dst] == v[src];
+      }
+  expect(rows_copied, "snapkv_cpu gathers the kept K/V rows");
+
+  ga.budget = budget - 1;
+  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), serial) ==
+             kvprune::Status::kInvalidArgument,
+         "snapkv_cpu rejects parts that disagree");
+}
+
 }  // namespace
 
 int main() {
   test_window_scores_matches_naive();
   test_select_and_gather();
+  test_snapkv_matches_chained_stages();
   std::printf("kvprune %s core tests: %s\n", kvprune::version(), failures == 0 ? "passed" : "FAILED");
   return failures == 0 ? 0 : 1;
 }
