@@ -86,7 +86,10 @@ Status validate_agreement(const SnapKvParams& p) {
                             ga.batch == sc.batch && ga.heads == sc.kv_heads &&
                             ga.length == sc.length && ga.head_dim == sc.head_dim &&
                             ga.dtype == sc.dtype && ga.budget == se.budget &&
-                            ga.keep_idx == se.keep_idx;
+                            ga.keep_idx == se.keep_idx && ga.k.data == sc.k.data &&
+                            ga.k.batch_stride == sc.k.batch_stride &&
+                            ga.k.head_stride == sc.k.head_stride &&
+                            ga.k.token_stride == sc.k.token_stride;
   return same_problem ? Status::kOk : Status::kInvalidArgument;
 }
 

@@ -103,11 +103,12 @@ inline Vec<kLanes> exp2(Vec<kLanes> x) {
   poly = poly * frac + c2;
   poly = poly * frac + c1;
   poly = poly * frac + 1.f;
-  I bits;
+  typedef uint32_t Bits __attribute__((vector_size(kLanes * 4)));
+  Bits bits;
   std::memcpy(&bits, &shifted, sizeof(bits));
   // The low 9 bits of `bits` are n + 127 (in [1, 255]): shifted into the exponent
-  // field they make 2^n; the higher bits fall off the top (C++20 shifts wrap).
-  const I scale_bits = (bits + 127) << 23;
+  // field they make 2^n; the higher bits fall off the top (unsigned, so it wraps).
+  const Bits scale_bits = (bits + 127u) << 23;
   V scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
   const V result = poly * scale;

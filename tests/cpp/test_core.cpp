@@ -1,8 +1,11 @@
 // Checks the torch-free core through its public header only: status codes for
 // bad parameters, and the CPU ops against straightforward loops on small inputs.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "kvprune/kvprune.h"
@@ -120,57 +123,78 @@ void test_select_and_gather() {
          "gather_kv_cpu copies rows and zero-fills padding");
 }
 
-// snapkv_cpu equals window_scores_cpu -> select_keep_cpu (pooled) -> gather_kv_cpu.
-void test_snapkv_matches_chained_stages() {
-  const int hq = 4, hkv = 2, w = 4, n = 700, d = 16, budget = 90;
+// A 3-thread executor handing out ranges of `grain` items from a shared counter,
+// so every worker runs several small ranges per parallel loop.
+void threaded_parallel_for(int64_t n, int64_t grain, void* body_ctx,
+                           void (*body)(void*, int64_t, int64_t, int), void*) {
+  std::atomic<int64_t> next{0};
+  auto work = [&](int worker) {
+    for (int64_t begin = next.fetch_add(grain); begin < n; begin = next.fetch_add(grain))
+      body(body_ctx, begin, std::min(n, begin + grain), worker);
+  };
+  std::vector<std::thread> helpers;
+  for (int worker = 1; worker < 3; ++worker) helpers.emplace_back(work, worker);
+  work(0);
+  for (auto& t : helpers) t.join();
+}
+
+// snapkv_cpu equals window_scores_cpu -> select_keep_cpu (pooled) -> gather_kv_cpu,
+// on a ragged batch (one row shorter than the budget), with and without lse.
+void test_snapkv_matches_chained_stages(const kvprune::CpuExecutor& exec, bool with_lse) {
+  const int batch = 2, hq = 4, hkv = 2, w = 4, n = 700, d = 16, budget = 90;
+  const std::vector<int32_t> lens = {700, 61};
   std::mt19937 rng(11);
   std::normal_distribution<float> normal;
-  std::vector<float> q(hq * w * d), k(hkv * n * d), v(hkv * n * d);
+  std::vector<float> q(batch * hq * w * d), k(batch * hkv * n * d), v(batch * hkv * n * d);
+  std::vector<float> lse(batch * hq * w, 3.f);  // any finite values: scores need not sum to 1
   for (auto* t : {&q, &k, &v})
     for (auto& x : *t) x = normal(rng);
   kvprune::SnapKvParams p;
   kvprune::WindowScoresParams& sc = p.scores;
   sc.q = {q.data(), hq * w * d, w * d, d};
   sc.k = {k.data(), hkv * n * d, n * d, d};
-  sc.batch = 1;
+  sc.lse = with_lse ? lse.data() : nullptr;
+  sc.seq_lens = lens.data();
+  sc.batch = batch;
   sc.q_heads = hq;
   sc.kv_heads = hkv;
   sc.length = n;
   sc.window = w;
   sc.head_dim = d;
   sc.scale = 1.f / std::sqrt(static_cast<float>(d));
-  std::vector<int32_t> idx(hkv * budget, -7);
+  std::vector<int32_t> idx(batch * hkv * budget, -7);
   kvprune::SelectKeepParams& se = p.select;
   se.keep_idx = idx.data();
-  se.batch = 1;
+  se.seq_lens = lens.data();
+  se.batch = batch;
   se.heads = hkv;
   se.length = n;
   se.budget = budget;
   se.n_sink = 2;
   se.window = w;
   se.pool_kernel_size = 5;
-  std::vector<float> kept_k(hkv * budget * d, NAN), kept_v(hkv * budget * d, NAN);
+  std::vector<float> kept_k(batch * hkv * budget * d, NAN), kept_v(kept_k);
   kvprune::GatherKvParams& ga = p.gather;
-  ga.k = {k.data(), hkv * n * d, n * d, d};
+  ga.k = sc.k;
   ga.v = {v.data(), hkv * n * d, n * d, d};
   ga.keep_idx = idx.data();
   ga.out_k = {kept_k.data(), hkv * budget * d, budget * d, d};
   ga.out_v = {kept_v.data(), hkv * budget * d, budget * d, d};
-  ga.batch = 1;
+  ga.batch = batch;
   ga.heads = hkv;
   ga.length = n;
   ga.budget = budget;
   ga.head_dim = d;
-  const kvprune::CpuExecutor serial;
-  std::vector<char> workspace(kvprune::snapkv_workspace_bytes_cpu(p, serial));
-  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), serial) == kvprune::Status::kOk,
+  std::vector<char> workspace(kvprune::snapkv_workspace_bytes_cpu(p, exec));
+  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), exec) == kvprune::Status::kOk,
          "snapkv_cpu returns kOk");
 
-  std::vector<float> scores(hkv * n);
+  const kvprune::CpuExecutor serial;
+  std::vector<float> scores(batch * hkv * n);
   sc.scores = scores.data();
   std::vector<char> score_ws(kvprune::window_scores_workspace_bytes_cpu(sc, serial));
   kvprune::window_scores_cpu(sc, score_ws.data(), score_ws.size(), serial);
-  std::vector<int32_t> chained_idx(hkv * budget);
+  std::vector<int32_t> chained_idx(idx.size());
   kvprune::SelectKeepParams chained_select = se;
   chained_select.scores = scores.data();
   chained_select.keep_idx = chained_idx.data();
@@ -178,16 +202,18 @@ void test_snapkv_matches_chained_stages() {
   kvprune::select_keep_cpu(chained_select, select_ws.data(), select_ws.size(), serial);
   expect(idx == chained_idx, "snapkv_cpu keeps what the chained stages keep");
   bool rows_copied = true;
-  for (int h = 0; h < hkv; ++h)
+  for (int row = 0; row < batch * hkv; ++row)
     for (int t = 0; t < budget; ++t)
       for (int x = 0; x < d; ++x) {
-        const int src = (h * n + idx[h * budget + t]) * d + x, dst = (h * budget + t) * d + x;
-        rows_copied = rows_copied && kept_k[dst] == k[src] && kept_v[dst] == v[src];
+        const int j = idx[row * budget + t], dst = (row * budget + t) * d + x;
+        const float want_k = j < 0 ? 0.f : k[(row * n + j) * d + x];
+        const float want_v = j < 0 ? 0.f : v[(row * n + j) * d + x];
+        rows_copied = rows_copied && kept_k[dst] == want_k && kept_v[dst] == want_v;
       }
-  expect(rows_copied, "snapkv_cpu gathers the kept K/V rows");
+  expect(rows_copied, "snapkv_cpu gathers the kept K/V rows (zero rows for padding)");
 
   ga.budget = budget - 1;
-  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), serial) ==
+  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), exec) ==
              kvprune::Status::kInvalidArgument,
          "snapkv_cpu rejects parts that disagree");
 }
@@ -197,7 +223,11 @@ void test_snapkv_matches_chained_stages() {
 int main() {
   test_window_scores_matches_naive();
   test_select_and_gather();
-  test_snapkv_matches_chained_stages();
+  const kvprune::CpuExecutor serial, threaded{3, threaded_parallel_for, nullptr};
+  for (bool with_lse : {false, true}) {
+    test_snapkv_matches_chained_stages(serial, with_lse);
+    test_snapkv_matches_chained_stages(threaded, with_lse);
+  }
   std::printf("kvprune %s core tests: %s\n", kvprune::version(), failures == 0 ? "passed" : "FAILED");
   return failures == 0 ? 0 : 1;
 }
