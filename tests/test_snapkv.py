@@ -141,9 +141,9 @@ def test_matches_composed_ops(pool, device, gen):
 @pytest.mark.parametrize("with_lse", [False, True], ids=["softmax", "lse"])
 @pytest.mark.parametrize("lens", [None, (0, 1000, 37, 0, 612)], ids=["full", "ragged"])
 def test_fused_equals_staged_exactly(lens, with_lse, device, gen):
-    """The fused op (which on the CPU selects and gathers each head while scoring the
-    next ones) returns exactly what the four public ops return when chained: many
-    heads and rows, empty and short rows, pieces of the gather spanning rows."""
+    """kp.snapkv (one core call, pooling fused into the selection) returns exactly what
+    the four public ops return when chained: several heads and batch rows, empty and
+    short rows, with and without lse."""
     case = Case(3, 2, 1000, 16, 150, window=16, lens=lens, with_lse=with_lse)
     q, k, v, lse, seq_lens = make_inputs(case, torch.float32, device, gen)
     kept = run_snapkv(case, q, k, v, lse, seq_lens)

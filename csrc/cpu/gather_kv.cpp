@@ -9,7 +9,6 @@
 
 #include "core/validate.h"
 #include "core/validate_decode.h"
-#include "cpu/gather_rows.h"
 #include "cpu/parallel.h"
 #include "cpu/rope.h"
 #include "kvprune/kvprune.h"
@@ -37,7 +36,8 @@ void gather_tokens(const ConstTokens& src, const MutableTokens& dst, const int32
   auto prefetch = [&](int64_t t) {
     const int64_t j = idx[t];
     if (j < 0 || j >= length) return;
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(src_row + j * src_stride + byte);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64)
+      __builtin_prefetch(src_row + j * src_stride + byte);
   };
   for (int64_t t = t0; t < std::min(t1, t0 + kPrefetchTokens); ++t) prefetch(t);
   for (int64_t t = t0; t < t1; ++t) {
@@ -69,35 +69,29 @@ void rotate_gathered(const GatherKvParams& p, const int32_t* idx, int64_t b, int
 
 }  // namespace
 
-void cpu::gather_row_tokens(const GatherKvParams& p, int64_t row, int64_t t0, int64_t t1) {
-  const int64_t b = row / p.heads, h = row % p.heads;
-  const int64_t elem = dtype_size(p.dtype);
-  const int32_t* idx = p.keep_idx + row * p.budget;  // [budget]
-  gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, p.head_dim * elem);
-  gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, p.head_dim * elem);
-  if (p.rope.rotary_dim > 0) rotate_gathered(p, idx, b, h, t0, t1, elem);
-}
-
-void cpu::gather_row_list(const GatherKvParams& p, const int64_t* rows, int64_t count,
-                          const CpuExecutor& exec) {
-  if (count * p.budget == 0) return;
-  const int64_t row_bytes = p.head_dim * dtype_size(p.dtype);
-  const int64_t chunk = std::clamp<int64_t>(kBytesPerTask / (2 * row_bytes), 1, p.budget);
-  const int64_t chunks_per_row = (p.budget + chunk - 1) / chunk;
-  cpu::parallel_for(exec, count * chunks_per_row, 1, [&](int64_t begin, int64_t end, int) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t slot = task / chunks_per_row;
-      const int64_t t0 = (task % chunks_per_row) * chunk;
-      gather_row_tokens(p, rows != nullptr ? rows[slot] : slot, t0, std::min(t0 + chunk, p.budget));
-    }
-  });
-}
-
 Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
   if (auto s = validate(p.rope, p.head_dim); s != Status::kOk) return s;
   if (!cpu::RopeAngles::supported(p.rope)) return Status::kUnsupportedHeadDim;
-  cpu::gather_row_list(p, nullptr, p.batch * p.heads, exec);
+  const int64_t rows = p.batch * p.heads;
+  if (rows * p.budget == 0) return Status::kOk;
+
+  const int64_t elem = dtype_size(p.dtype);
+  const int64_t row_bytes = p.head_dim * elem;
+  const int64_t chunk = std::clamp<int64_t>(kBytesPerTask / (2 * row_bytes), 1, p.budget);
+  const int64_t chunks_per_row = (p.budget + chunk - 1) / chunk;
+  cpu::parallel_for(exec, rows * chunks_per_row, 1, [&](int64_t begin, int64_t end, int) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / chunks_per_row;
+      const int64_t b = row / p.heads, h = row % p.heads;
+      const int64_t t0 = (task % chunks_per_row) * chunk;
+      const int64_t t1 = std::min(t0 + chunk, p.budget);
+      const int32_t* idx = p.keep_idx + row * p.budget;  // [budget]
+      gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, row_bytes);
+      gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, row_bytes);
+      if (p.rope.rotary_dim > 0) rotate_gathered(p, idx, b, h, t0, t1, elem);
+    }
+  });
   return Status::kOk;
 }
 

@@ -17,7 +17,6 @@
 #include "core/validate.h"
 #include "cpu/parallel.h"
 #include "cpu/pooling.h"
-#include "cpu/select_rows.h"
 #include "kvprune/kvprune.h"
 
 namespace kvprune {
@@ -27,13 +26,19 @@ int64_t num_chunks(const SelectKeepParams& p, const CpuExecutor& exec) {
   return std::min<int64_t>(cpu::num_workers(exec), p.batch * p.heads);
 }
 
+// Scratch floats per chunk: the pooled row (only when pooling) and the
+// candidate scores that nth_element reorders.
+int64_t chunk_floats(const SelectKeepParams& p) {
+  return (p.pool_kernel_size > 1 ? 2 : 1) * p.length;
+}
+
 // Ranking key: NaN ranks below every number, so the ordering stays strict-weak.
 float rank_key(float v) { return v == v ? v : -std::numeric_limits<float>::infinity(); }
 
 // One row with n > budget. row: [>= n] scores; scratch: [chunk_floats];
 // keep: out [budget] ascending positions.
-void select_long_row(const SelectKeepParams& p, const float* row, int64_t n, float* scratch,
-                     int32_t* keep) {
+void select_row(const SelectKeepParams& p, const float* row, int64_t n, float* scratch,
+                int32_t* keep) {
   const int64_t prefix = n - p.window;                     // candidates: [n_sink, prefix)
   const int64_t num_cand = prefix - p.n_sink;              // > num_pick, as n > budget
   const int64_t num_pick = p.budget - p.n_sink - p.window;
@@ -67,28 +72,9 @@ void select_long_row(const SelectKeepParams& p, const float* row, int64_t n, flo
 
 }  // namespace
 
-namespace cpu {
-
-int64_t select_row_scratch_floats(const SelectKeepParams& p) {
-  return (p.pool_kernel_size > 1 ? 2 : 1) * p.length;  // pooled row, candidates
-}
-
-void select_keep_row(const SelectKeepParams& p, int64_t row, float* scratch) {
-  const int64_t n = p.seq_lens != nullptr ? p.seq_lens[row / p.heads] : p.length;
-  int32_t* keep = p.keep_idx + row * p.budget;  // [budget]
-  if (n <= p.budget) {
-    for (int64_t j = 0; j < n; ++j) keep[j] = static_cast<int32_t>(j);
-    std::fill(keep + n, keep + p.budget, -1);
-  } else {
-    select_long_row(p, p.scores + row * p.length, n, scratch, keep);
-  }
-}
-
-}  // namespace cpu
-
 size_t select_keep_workspace_bytes_cpu(const SelectKeepParams& p, const CpuExecutor& exec) {
   if (validate_sizes(p) != Status::kOk) return 0;
-  return static_cast<size_t>(num_chunks(p, exec) * cpu::select_row_scratch_floats(p)) * sizeof(float);
+  return static_cast<size_t>(num_chunks(p, exec) * chunk_floats(p)) * sizeof(float);
 }
 
 Status select_keep_cpu(const SelectKeepParams& p, void* workspace, size_t workspace_bytes,
@@ -102,12 +88,20 @@ Status select_keep_cpu(const SelectKeepParams& p, void* workspace, size_t worksp
   if (rows == 0) return Status::kOk;
 
   const int64_t chunks = num_chunks(p, exec);
-  float* ws = static_cast<float*>(workspace);  // [chunks, select_row_scratch_floats]
+  float* ws = static_cast<float*>(workspace);  // [chunks, chunk_floats]
   cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int) {
     for (int64_t c = begin; c < end; ++c) {
-      float* scratch = ws + c * cpu::select_row_scratch_floats(p);
-      for (int64_t row = c * rows / chunks; row < (c + 1) * rows / chunks; ++row)
-        cpu::select_keep_row(p, row, scratch);
+      float* scratch = ws + c * chunk_floats(p);
+      for (int64_t row = c * rows / chunks; row < (c + 1) * rows / chunks; ++row) {
+        const int64_t n = p.seq_lens != nullptr ? p.seq_lens[row / p.heads] : p.length;
+        int32_t* keep = p.keep_idx + row * p.budget;  // [budget]
+        if (n <= p.budget) {
+          for (int64_t j = 0; j < n; ++j) keep[j] = static_cast<int32_t>(j);
+          std::fill(keep + n, keep + p.budget, -1);
+        } else {
+          select_row(p, p.scores + row * p.length, n, scratch, keep);
+        }
+      }
     }
   });
   return Status::kOk;

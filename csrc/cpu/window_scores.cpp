@@ -24,7 +24,6 @@
 #include "core/validate.h"
 #include "cpu/half.h"
 #include "cpu/parallel.h"
-#include "cpu/window_scores_driver.h"
 #include "cpu/window_scores_kernels.h"
 #include "kvprune/kvprune.h"
 
@@ -84,7 +83,6 @@ struct HeadJob {
   const cpu::WindowScoresKernels* kernels;
   const Workspace* ws;
   const char* k_head;  // k[b, g] as bytes
-  int64_t row;         // b * kv_heads + g
   int64_t len;         // valid keys of this row
   int64_t mp;
   float* out;          // scores[b, g, :]
@@ -142,28 +140,19 @@ void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys,
   apply_causal_mask(job, first, count, tile);
 }
 
-// Adds the sink's prefetch hints for step `piece` of the current loop.
-cpu::BackgroundWork with_sink_prefetch(cpu::BackgroundWork background, cpu::ScoredRowSink* sink,
-                                       int64_t piece) {
-  if (sink != nullptr) sink->prefetch_piece(piece, &background);
-  return background;
-}
-
-void run_head_with_lse(const HeadJob& job, cpu::ScoredRowSink* sink, const CpuExecutor& exec) {
+void run_head_with_lse(const HeadJob& job, const CpuExecutor& exec) {
   const WindowScoresParams& p = *job.p;
   const int64_t chunks = job.chunks();
-  if (sink != nullptr) sink->loop_begin(chunks);
   cpu::parallel_for(exec, chunks, 1, [&](int64_t begin, int64_t end, int worker) {
     float* keys = job.ws->worker_keys + worker * kChunkKeys * p.head_dim;
     float* tile = job.ws->worker_tiles + worker * 2 * kChunkKeys * job.mp;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunkKeys;
       const int64_t count = std::min(kChunkKeys, job.len - first);
-      chunk_logits(job, first, count, keys, tile, with_sink_prefetch({}, sink, c));
+      chunk_logits(job, first, count, keys, tile, {});
       job.kernels->exp_minus(tile, job.mp, count, job.ws->lse2);
       job.kernels->reduce_columns(tile, job.mp, count, job.ws->row_weight, p.q_heads / p.kv_heads,
                                   p.window, p.reduce, job.out + first);
-      if (sink != nullptr) sink->run_piece(c);
     }
   });
 }
@@ -204,23 +193,19 @@ void softmax_chunk_scores(const HeadJob& job, int64_t c) {
 }
 
 // Runs pass 1 of `current` (if any) and pass 2 of `previous` (if any) in one
-// parallel loop over chunks, with the sink's pieces. Each worker alternates
-// between its two tiles: the one finished last is copied out while the other
-// receives the next logits.
-void softmax_overlapped(const HeadJob* current, const HeadJob* previous, cpu::ScoredRowSink* sink,
-                        const CpuExecutor& exec) {
+// parallel loop over chunks. Each worker alternates between its two tiles: the
+// one finished last is copied out while the other receives the next logits.
+void softmax_overlapped(const HeadJob* current, const HeadJob* previous, const CpuExecutor& exec) {
   const HeadJob& any = current != nullptr ? *current : *previous;
   const int64_t current_chunks = current != nullptr ? current->chunks() : 0;
   const int64_t previous_chunks = previous != nullptr ? previous->chunks() : 0;
-  const int64_t steps = std::max(current_chunks, previous_chunks);
-  if (sink != nullptr) sink->loop_begin(steps);
-  cpu::parallel_for(exec, steps, 1, [&](int64_t begin, int64_t end, int worker) {
+  cpu::parallel_for(exec, std::max(current_chunks, previous_chunks), 1, [&](int64_t begin, int64_t end, int worker) {
     float* keys = any.ws->worker_keys + worker * kChunkKeys * any.p->head_dim;
     float* tiles = any.ws->worker_tiles + worker * 2 * kChunkKeys * any.mp;
     cpu::BackgroundWork pending;  // copy-out of this worker's last finished tile
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunkKeys;
-      cpu::BackgroundWork background = with_sink_prefetch(pending, sink, c);
+      cpu::BackgroundWork background = pending;
       pending = {};
       if (c < previous_chunks) {  // the exps pass 2 reads after these logits
         background.prefetch = previous->ws->exps[previous->buffers] + first * any.mp;
@@ -236,7 +221,6 @@ void softmax_overlapped(const HeadJob* current, const HeadJob* previous, cpu::Sc
         any.kernels->stream_copy(background);
       }
       if (c < previous_chunks) softmax_chunk_scores(*previous, c);
-      if (sink != nullptr) sink->run_piece(c);
     }
     any.kernels->stream_copy(pending);  // also fences this worker's streaming stores
   });
@@ -258,9 +242,8 @@ size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuE
   return Workspace(p, cpu::num_workers(exec), nullptr).floats * sizeof(float);
 }
 
-Status cpu::window_scores_with_sink(const WindowScoresParams& p, void* workspace,
-                                    size_t workspace_bytes, const CpuExecutor& exec,
-                                    ScoredRowSink* sink) {
+Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
+                         const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
   if (auto s = validate_seq_lens_host(p.seq_lens, p.batch, p.length); s != Status::kOk) return s;
   const int workers = cpu::num_workers(exec);
@@ -272,50 +255,34 @@ Status cpu::window_scores_with_sink(const WindowScoresParams& p, void* workspace
   for (int64_t r = 0; r < mp; ++r) ws.row_weight[r] = r < rows ? 1.f : 0.f;
   const cpu::WindowScoresKernels& kernels = cpu::best_window_scores_kernels();
 
-  // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment),
-  // so a head's scores are final only after the next head's loop.
+  // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment).
   HeadJob previous{};
   bool have_previous = false;
   int buffers = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.seq_lens != nullptr ? p.seq_lens[b] : p.length;
     for (int64_t g = 0; g < p.kv_heads; ++g) {
-      const int64_t row = b * p.kv_heads + g;
-      float* out = p.scores + row * p.length;
+      float* out = p.scores + (b * p.kv_heads + g) * p.length;
       std::fill(out + len, out + p.length, 0.f);
-      if (len == 0) {
-        if (sink != nullptr) sink->row_ready(row);
-        continue;
-      }
+      if (len == 0) continue;
       pack_queries(p, b, g, mp, ws.q_packed);
       const char* k_head = static_cast<const char*>(p.k.data) +
                            (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype);
-      const HeadJob job{&p, &kernels, &ws, k_head, row, len, mp, out, buffers};
+      const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out, buffers};
       if (p.lse != nullptr) {
         load_lse(p, b, g, mp, ws.lse2);
-        run_head_with_lse(job, sink, exec);
-        if (sink != nullptr) sink->row_ready(row);
+        run_head_with_lse(job, exec);
         continue;
       }
-      softmax_overlapped(&job, have_previous ? &previous : nullptr, sink, exec);
-      if (have_previous && sink != nullptr) sink->row_ready(previous.row);
+      softmax_overlapped(&job, have_previous ? &previous : nullptr, exec);
       softmax_chunk_weights(job, exec);
       previous = job;
       have_previous = true;
       buffers ^= 1;
     }
   }
-  if (have_previous) {
-    softmax_overlapped(nullptr, &previous, sink, exec);
-    if (sink != nullptr) sink->row_ready(previous.row);
-  }
-  if (sink != nullptr) sink->finish(exec);
+  if (have_previous) softmax_overlapped(nullptr, &previous, exec);
   return Status::kOk;
-}
-
-Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
-                         const CpuExecutor& exec) {
-  return cpu::window_scores_with_sink(p, workspace, workspace_bytes, exec, nullptr);
 }
 
 }  // namespace kvprune

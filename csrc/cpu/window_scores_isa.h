@@ -77,15 +77,6 @@ inline void background_slice(const BackgroundWork& work, int64_t step, int64_t s
   for (int64_t r = begin; r < end; ++r)
     for (int64_t byte = 0; byte < keys.row_bytes; byte += 64)
       __builtin_prefetch(keys.base + r * keys.stride_bytes + byte, 0, 2);
-  for (const RowListPrefetch& list : work.row_lists) {
-    part(list.count, 1, &begin, &end);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = list.idx[i];
-      if (row < 0 || row >= list.limit) continue;
-      for (int64_t byte = 0; byte < list.row_bytes; byte += 64)
-        __builtin_prefetch(list.base + row * list.stride_bytes + byte, 0, 2);
-    }
-  }
   part(work.prefetch_floats, kLineFloats, &begin, &end);
   for (int64_t i = begin; i < end; i += kLineFloats) __builtin_prefetch(work.prefetch + i, 0, 2);
   part(work.copy_floats, kLineFloats, &begin, &end);

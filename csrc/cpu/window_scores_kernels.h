@@ -30,22 +30,10 @@ struct KeyPrefetch {
   int64_t row_bytes = 0;
 };
 
-// Scattered rows to prefetch: base + idx[i] * stride_bytes for i < count, skipping
-// indices outside [0, limit).
-struct RowListPrefetch {
-  const char* base = nullptr;
-  int64_t stride_bytes = 0;
-  const int32_t* idx = nullptr;
-  int64_t count = 0;
-  int64_t limit = 0;
-  int64_t row_bytes = 0;
-};
-
 // Memory traffic the logits kernel spreads evenly over its register blocks, so it
 // runs under the arithmetic instead of before or after it.
 struct BackgroundWork {
   KeyPrefetch next_keys;              // K rows of the chunk after this one
-  RowListPrefetch row_lists[2];       // rows a ScoredRowSink copies after the chunk
   const float* prefetch = nullptr;    // [prefetch_floats] pulled into L2 (read soon after)
   int64_t prefetch_floats = 0;
   const float* copy_from = nullptr;   // [copy_floats], a multiple of kRowAlign, in cache...

@@ -31,9 +31,8 @@ Status select_keep_cpu(const SelectKeepParams& p, void* workspace, size_t worksp
                        const CpuExecutor& exec);
 Status streaming_keep_cpu(const StreamingKeepParams& p, const CpuExecutor& exec);
 Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec);
-// The three stages fused: each head's K/V rows are selected and gathered while
-// the next heads are scored, so the gather's memory traffic hides under the
-// score arithmetic.
+// window_scores -> select_keep (pooled) -> gather_kv in one call, the scores and
+// the stages' scratch in the workspace (SnapKvParams in params.h).
 size_t snapkv_workspace_bytes_cpu(const SnapKvParams& p, const CpuExecutor& exec);
 Status snapkv_cpu(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
                   const CpuExecutor& exec);
@@ -49,7 +48,7 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
                         cudaStream_t stream);
 Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream);
 Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream);
-// The three stages chained on `stream` (scores and scratch in the workspace).
+// The same chain on `stream`.
 size_t snapkv_workspace_bytes_cuda(const SnapKvParams& p);
 Status snapkv_cuda(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
