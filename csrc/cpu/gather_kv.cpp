@@ -10,6 +10,7 @@
 #include "core/validate.h"
 #include "core/validate_decode.h"
 #include "cpu/parallel.h"
+#include "cpu/populate.h"
 #include "cpu/rope.h"
 #include "kvprune/kvprune.h"
 
@@ -33,6 +34,7 @@ void gather_tokens(const ConstTokens& src, const MutableTokens& dst, const int32
   char* dst_row =
       static_cast<char*>(dst.data) + (b * dst.batch_stride + h * dst.head_stride) * elem;
   const int64_t src_stride = src.token_stride * elem, dst_stride = dst.token_stride * elem;
+  cpu::populate_for_write(dst_row + t0 * dst_stride, (t1 - 1 - t0) * dst_stride + row_bytes);
   auto prefetch = [&](int64_t t) {
     const int64_t j = idx[t];
     if (j < 0 || j >= length) return;
