@@ -246,7 +246,7 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                            budget, n_sink, window);
   p.select.pool_kernel_size = kernel_size;
   p.select.pool_mode = parse_pool(pool, "pool");
-  // Outputs first: the CPU backend gathers each head while scoring the next ones.
+  // The outputs of the chain; its scores and scratch live in the workspace.
   at::Tensor idx = at::empty({p.scores.batch, p.scores.kv_heads, budget}, q.options().dtype(at::kInt));
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);
