@@ -25,16 +25,17 @@ constexpr int64_t kPrefetchTokens = 8;
 
 // Tokens [t0, t1) of row (b, h). src: [batch, heads, length, head_dim];
 // dst: [batch, heads, budget, head_dim]; idx: [budget] indices of this row;
-// elem and row_bytes in bytes.
+// elem and row_bytes in bytes; fresh_dst: populate the destination pages first.
 void gather_tokens(const ConstTokens& src, const MutableTokens& dst, const int32_t* idx,
                    int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t length, int64_t elem,
-                   int64_t row_bytes) {
+                   int64_t row_bytes, bool fresh_dst) {
   const char* src_row = static_cast<const char*>(src.data) +
                         (b * src.batch_stride + h * src.head_stride) * elem;
   char* dst_row =
       static_cast<char*>(dst.data) + (b * dst.batch_stride + h * dst.head_stride) * elem;
   const int64_t src_stride = src.token_stride * elem, dst_stride = dst.token_stride * elem;
-  cpu::populate_for_write(dst_row + t0 * dst_stride, (t1 - 1 - t0) * dst_stride + row_bytes);
+  if (fresh_dst)
+    cpu::populate_for_write(dst_row + t0 * dst_stride, (t1 - 1 - t0) * dst_stride + row_bytes);
   auto prefetch = [&](int64_t t) {
     const int64_t j = idx[t];
     if (j < 0 || j >= length) return;
@@ -89,8 +90,8 @@ Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec) {
       const int64_t t0 = (task % chunks_per_row) * chunk;
       const int64_t t1 = std::min(t0 + chunk, p.budget);
       const int32_t* idx = p.keep_idx + row * p.budget;  // [budget]
-      gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, row_bytes);
-      gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, row_bytes);
+      gather_tokens(p.k, p.out_k, idx, b, h, t0, t1, p.length, elem, row_bytes, p.fresh_outputs);
+      gather_tokens(p.v, p.out_v, idx, b, h, t0, t1, p.length, elem, row_bytes, p.fresh_outputs);
       if (p.rope.rotary_dim > 0) rotate_gathered(p, idx, b, h, t0, t1, elem);
     }
   });

@@ -199,7 +199,8 @@ void softmax_overlapped(const HeadJob* current, const HeadJob* previous, const C
   const HeadJob& any = current != nullptr ? *current : *previous;
   const int64_t current_chunks = current != nullptr ? current->chunks() : 0;
   const int64_t previous_chunks = previous != nullptr ? previous->chunks() : 0;
-  cpu::parallel_for(exec, std::max(current_chunks, previous_chunks), 1, [&](int64_t begin, int64_t end, int worker) {
+  cpu::parallel_for(exec, std::max(current_chunks, previous_chunks), 1,
+                    [&](int64_t begin, int64_t end, int worker) {
     float* keys = any.ws->worker_keys + worker * kChunkKeys * any.p->head_dim;
     float* tiles = any.ws->worker_tiles + worker * 2 * kChunkKeys * any.mp;
     cpu::BackgroundWork pending;  // copy-out of this worker's last finished tile

@@ -169,7 +169,8 @@ void chunk_weights(const float* chunk_max, float* chunk_weight, int64_t chunks, 
   const V neg_inf = simd::splat<kLanes>(-std::numeric_limits<float>::infinity());
   for (int64_t r = row_begin; r < row_end; r += kLanes) {
     V row_max = neg_inf;
-    for (int64_t c = 0; c < chunks; ++c) row_max = simd::vmax<kLanes>(row_max, simd::load<kLanes>(chunk_max + c * mp + r));
+    for (int64_t c = 0; c < chunks; ++c)
+      row_max = simd::vmax<kLanes>(row_max, simd::load<kLanes>(chunk_max + c * mp + r));
     const V finite_max = row_max == neg_inf ? V{} : row_max;
     Wide total = Wide{};
     for (int64_t c = 0; c < chunks; ++c) {  // chunk_weight: chunk sums -> 2^(chunk max - row max)

@@ -146,6 +146,10 @@ struct GatherKvParams {
   int64_t budget = 0;
   int64_t head_dim = 0;
   RopeParams rope;  // optional fused re-rotation of K (default: none)
+  // The outputs were just allocated and never written. The CPU backend then maps
+  // their pages in bulk before writing (cheaper than one fault per page); leave
+  // false for outputs that already hold data, where that would be wasted work.
+  bool fresh_outputs = false;
 };
 
 // SnapKV end to end: window scores -> pooled selection -> gather, in one call.

@@ -215,11 +215,21 @@ GatherKvParams checked_gather_params(const at::Tensor& k, const at::Tensor& v,
   return gather_params(k, v, idx, out_k, out_v);
 }
 
-void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
-  const GatherKvParams p = checked_gather_params(k, v, idx, out_k, out_v);
+namespace {
+
+void gather_into(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v, bool fresh_outputs) {
+  GatherKvParams p = checked_gather_params(k, v, idx, out_k, out_v);
+  p.fresh_outputs = fresh_outputs;
   const c10::DeviceGuard guard(k.device());
   check_status(be.gather_kv(p), "gather_kv");
+}
+
+}  // namespace
+
+void gather_kv_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v) {
+  gather_into(be, k, v, idx, out_k, out_v, /*fresh_outputs=*/false);
 }
 
 TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v,
@@ -228,7 +238,7 @@ TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v
   check_index(idx, k);
   at::Tensor out_k = empty_like_kept(k, idx.size(2));
   at::Tensor out_v = empty_like_kept(v, idx.size(2));
-  gather_kv_out(be, k, v, idx, out_k, out_v);
+  gather_into(be, k, v, idx, out_k, out_v, /*fresh_outputs=*/true);
   return {out_k, out_v};
 }
 
@@ -252,6 +262,7 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
   at::Tensor out_v = empty_like_kept(v, budget);
   p.select.keep_idx = idx.data_ptr<int32_t>();
   p.gather = gather_params(k, v, idx, out_k, out_v);
+  p.gather.fresh_outputs = true;
   const size_t ws_bytes = be.snapkv_workspace(p);
   at::Tensor ws = allocate_workspace(ws_bytes, q);
   check_status(be.snapkv(p, ws.data_ptr(), ws_bytes), "snapkv");
@@ -275,7 +286,9 @@ TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor&
   check_status(be.streaming_keep(p), "streaming");
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);
-  check_status(be.gather_kv(gather_params(k, v, idx, out_k, out_v)), "streaming (gather)");
+  GatherKvParams gather_p = gather_params(k, v, idx, out_k, out_v);
+  gather_p.fresh_outputs = true;
+  check_status(be.gather_kv(gather_p), "streaming (gather)");
   return {out_k, out_v, idx};
 }
 
