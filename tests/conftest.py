@@ -1,7 +1,10 @@
 """Shared fixtures: the device parameter, seeded generators and output poisoning.
 
 Every op test takes the ``device`` fixture: "cpu" always, "cuda" when a GPU is
-present (skipped cleanly otherwise), so the same tests run unchanged on a GPU box.
+present (skipped cleanly otherwise), so the same tests run unchanged on a GPU box,
+and "cuda_emu": the CUDA kernels on CPU tensors under the SIMT emulator, each op
+run under two thread schedules whose results must agree bit for bit (the test
+sees device "cpu"; ``helpers.on_cuda_path`` tells it which kernels run).
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import HAS_CUDA  # noqa: E402
+import kvprune_cuda as kp  # noqa: E402
+from helpers import HAS_CUDA, HAS_EMULATOR  # noqa: E402
 
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")),
+    pytest.param("cuda_emu", marks=pytest.mark.skipif(not HAS_EMULATOR, reason="no CUDA emulator")),
 ]
+# Thread orders every emulated op runs under (results compared bitwise).
+EMULATED_SCHEDULES = ("forward", "reverse")
 
 
 def pytest_configure(config):
@@ -28,8 +35,12 @@ def pytest_configure(config):
 
 
 @pytest.fixture(params=DEVICES)
-def device(request) -> str:
-    return request.param
+def device(request):
+    if request.param != "cuda_emu":
+        yield request.param
+        return
+    with kp.testing.emulate_cuda(schedules=EMULATED_SCHEDULES):
+        yield "cpu"
 
 
 @pytest.fixture

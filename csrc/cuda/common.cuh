@@ -2,13 +2,14 @@
 // streaming_keep and gather_kv.
 #pragma once
 
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "kvprune/status.h"
 
-namespace kvprune::cuda_detail {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace cuda_detail {
 
 template <typename T>
 constexpr T ceil_div(T a, T b) {
@@ -20,7 +21,7 @@ constexpr int64_t kMaxGridBlocks = 0x7fffffff;
 
 // Status of the launches enqueued so far (call right after them).
 inline Status launch_status() {
-  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+  return simt::get_last_error() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
 // Valid length of batch row b: seq_lens[b] clamped to [0, length], or length.
@@ -53,4 +54,5 @@ struct VecOf<2> {
   using type = unsigned short;
 };
 
-}  // namespace kvprune::cuda_detail
+}  // namespace cuda_detail
+KVPRUNE_CUDA_NAMESPACE_END

@@ -4,11 +4,12 @@
 // makes every copy read the old length first). Negative seq_lens count as 0.
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate_decode.h"
 #include "cuda/common.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kBlock = 256;  // 8 warps, one token each
@@ -91,7 +92,7 @@ int vector_bytes(const StreamingAppendParams& p, int64_t elem) {
 
 template <int kVecBytes>
 void launch(const AppendArgs& a, unsigned blocks, cudaStream_t stream) {
-  append_kernel<typename cuda_detail::VecOf<kVecBytes>::type><<<blocks, kBlock, 0, stream>>>(a);
+  simt::launch<append_kernel<typename cuda_detail::VecOf<kVecBytes>::type>>(blocks, kBlock, 0, stream, a);
 }
 
 }  // namespace
@@ -125,8 +126,8 @@ Status streaming_append_cuda(const StreamingAppendParams& p, cudaStream_t stream
     }
   }
   const auto grid = static_cast<unsigned>(std::min<int64_t>(cuda_detail::ceil_div<int64_t>(p.batch, 256), 1024));
-  advance_kernel<<<grid, 256, 0, stream>>>(p.seq_lens, p.batch, p.num_new);
+  simt::launch<advance_kernel>(grid, 256, 0, stream, p.seq_lens, p.batch, p.num_new);
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

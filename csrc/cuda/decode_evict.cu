@@ -4,11 +4,12 @@
 // then lowest slot); thread 0 frees it before the next round. Same rule as the CPU.
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate_decode.h"
 #include "cuda/common.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kBlock = 256;
@@ -106,8 +107,8 @@ Status h2o_evict_cuda(const H2oEvictParams& p, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads;
   if (rows == 0) return Status::kOk;
   if (rows > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
-  evict_kernel<<<static_cast<unsigned>(rows), kBlock, 0, stream>>>(p);
+  simt::launch<evict_kernel>(static_cast<unsigned>(rows), kBlock, 0, stream, p);
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

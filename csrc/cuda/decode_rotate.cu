@@ -2,12 +2,13 @@
 // new_pos[b,h,s]; negative positions are skipped. One warp per token row.
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate_decode.h"
 #include "cuda/common.cuh"
 #include "cuda/rope.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 // Delta of one row from the two strided position tensors [batch, heads, length].
@@ -29,7 +30,8 @@ template <typename T>
 void launch(const RerotateKeysParams& p, int64_t rows, cudaStream_t stream) {
   const PositionDelta delta{p.old_pos, p.old_pos_batch_stride, p.old_pos_head_stride,
                             p.new_pos, p.new_pos_batch_stride, p.new_pos_head_stride};
-  cuda_detail::rope_rows_kernel<T><<<cuda_detail::rope_rows_grid(rows), 256, 0, stream>>>(
+  simt::launch<cuda_detail::rope_rows_kernel<T, PositionDelta>>(
+      cuda_detail::rope_rows_grid(rows), 256, 0, stream,
       static_cast<T*>(p.k.data), p.k.batch_stride, p.k.head_stride, p.k.token_stride, p.heads,
       p.length, rows, cuda_detail::RopeArgs::from(p.rope), delta);
 }
@@ -48,4 +50,4 @@ Status rerotate_keys_cuda(const RerotateKeysParams& p, cudaStream_t stream) {
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

@@ -15,12 +15,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate_decode.h"
 #include "cuda/common.cuh"
 #include "cuda/rope.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using cuda_detail::from_float;
@@ -78,7 +79,7 @@ __device__ __forceinline__ float warp_max(float v) {
 
 template <typename T>
 __global__ __launch_bounds__(kBlock) void partial_kernel(Args a) {
-  extern __shared__ float q_smem[];  // [R, D] fp32
+  float* const q_smem = simt::dynamic_shared<float>();  // [R, D] fp32
   __shared__ float row_m[kMaxRows];
   const DecodeScoresParams& p = a.p;
   const int64_t row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
@@ -231,10 +232,10 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>(rows * a.chunks);
   const size_t smem = static_cast<size_t>(a.R * a.p.head_dim) * sizeof(float);
   if (blocks > 0) {
-    partial_kernel<T><<<blocks, kBlock, smem, stream>>>(a);
-    if (a.p.h2o_scores != nullptr) scores_kernel<<<blocks, kBlock, 0, stream>>>(a);
+    simt::launch<partial_kernel<T>>(blocks, kBlock, smem, stream, a);
+    if (a.p.h2o_scores != nullptr) simt::launch<scores_kernel>(blocks, kBlock, 0, stream, a);
   }
-  if (a.part_acc != nullptr) output_kernel<T><<<static_cast<unsigned>(rows), kBlock, 0, stream>>>(a);
+  if (a.part_acc != nullptr) simt::launch<output_kernel<T>>(static_cast<unsigned>(rows), kBlock, 0, stream, a);
 }
 
 }  // namespace
@@ -265,4 +266,4 @@ Status decode_scores_cuda(const DecodeScoresParams& p, void* workspace, size_t w
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

@@ -9,13 +9,14 @@
 // gathered K row in place from position keep_idx[t] to position t (cuda/rope.cuh).
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "core/validate_decode.h"
 #include "cuda/common.cuh"
 #include "cuda/rope.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using cuda_detail::ceil_div;
@@ -109,8 +110,8 @@ ByteTokens<char> as_mutable_bytes(const MutableTokens& tokens, int64_t element_s
 
 template <int kVecBytes>
 void launch(const GatherArgs& args, unsigned blocks, cudaStream_t stream) {
-  gather_kv_kernel<typename cuda_detail::VecOf<kVecBytes>::type>
-      <<<blocks, kBlock, 0, stream>>>(args);
+  simt::launch<gather_kv_kernel<typename cuda_detail::VecOf<kVecBytes>::type>>(blocks, kBlock, 0,
+                                                                              stream, args);
 }
 
 // Delta of gathered row t: from its source position keep_idx[t] to t; padding rows
@@ -131,8 +132,8 @@ struct GatherDelta {
 template <typename T>
 void launch_rope(const GatherKvParams& p, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads * p.budget;
-  cuda_detail::rope_rows_kernel<T><<<cuda_detail::rope_rows_grid(rows), 256, 0, stream>>>(
-      static_cast<T*>(p.out_k.data), p.out_k.batch_stride, p.out_k.head_stride,
+  simt::launch<cuda_detail::rope_rows_kernel<T, GatherDelta>>(
+      cuda_detail::rope_rows_grid(rows), 256, 0, stream, static_cast<T*>(p.out_k.data), p.out_k.batch_stride, p.out_k.head_stride,
       p.out_k.token_stride, p.heads, p.budget, rows, cuda_detail::RopeArgs::from(p.rope),
       GatherDelta{p.keep_idx, p.heads, p.budget, p.length});
 }
@@ -183,4 +184,4 @@ Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream) {
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

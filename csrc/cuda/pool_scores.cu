@@ -5,12 +5,13 @@
 // positions t, t + kBlock, ... so every load and store of a warp is coalesced.
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "cuda/common.cuh"
 #include "cuda/pooled_load.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using cuda_detail::ceil_div;
@@ -59,8 +60,8 @@ Status pool_scores_cuda(const PoolScoresParams& p, cudaStream_t stream) {
 
   const PoolArgs args{p.scores_in, p.scores_out, p.seq_lens, p.heads,   p.length,
                       p.window,    p.kernel_size, p.mode,   static_cast<uint32_t>(tiles_per_row)};
-  pool_scores_kernel<<<static_cast<unsigned>(rows * tiles_per_row), kBlock, 0, stream>>>(args);
+  simt::launch<pool_scores_kernel>(static_cast<unsigned>(rows * tiles_per_row), kBlock, 0, stream, args);
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

@@ -10,9 +10,11 @@
 
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "kvprune/params.h"
 
-namespace kvprune::cuda_detail {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace cuda_detail {
 
 struct PooledRow {
   const float* __restrict__ scores;  // [>= prefix] one score row
@@ -37,4 +39,5 @@ struct PooledRow {
   }
 };
 
-}  // namespace kvprune::cuda_detail
+}  // namespace cuda_detail
+KVPRUNE_CUDA_NAMESPACE_END

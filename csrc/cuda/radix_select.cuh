@@ -9,11 +9,13 @@
 // how many keys equal to T belong to the top k.
 #pragma once
 
-#include <cub/block/block_scan.cuh>
+#include "cuda/simt.cuh"
+
 
 #include <cstdint>
 
-namespace kvprune::cuda_detail {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace cuda_detail {
 
 constexpr int kRadixBits = 8;
 constexpr int kRadixBins = 1 << kRadixBits;
@@ -58,7 +60,7 @@ struct RadixThreshold {
 
 template <int kBlock>
 struct RadixResolveStorage {
-  typename cub::BlockScan<uint32_t, kBlock>::TempStorage scan;
+  typename simt::BlockScan<uint32_t, kBlock>::TempStorage scan;
   uint32_t digit;
   uint32_t above;
 };
@@ -79,7 +81,7 @@ __device__ RadixThreshold resolve_threshold(const uint32_t* row_hist, int passes
     const uint32_t digit = kRadixBins - 1 - threadIdx.x;
     const uint32_t count = row_hist[pass * kRadixBins + digit];
     uint32_t at_or_above;
-    cub::BlockScan<uint32_t, kBlock>(storage.scan).InclusiveSum(count, at_or_above);
+    simt::BlockScan<uint32_t, kBlock>(storage.scan).InclusiveSum(count, at_or_above);
     const uint32_t above = at_or_above - count;
     if (above < threshold.remaining && at_or_above >= threshold.remaining) {
       storage.digit = digit;  // exactly one thread: the running count crosses here
@@ -93,4 +95,5 @@ __device__ RadixThreshold resolve_threshold(const uint32_t* row_hist, int passes
   return threshold;
 }
 
-}  // namespace kvprune::cuda_detail
+}  // namespace cuda_detail
+KVPRUNE_CUDA_NAMESPACE_END

@@ -2,16 +2,15 @@
 // rotation of token rows (RopeParams in params.h). One warp rotates one row.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "kvprune/params.h"
 
-namespace kvprune::cuda_detail {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace cuda_detail {
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -94,4 +93,5 @@ inline unsigned rope_rows_grid(int64_t rows) {
   return static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8);
 }
 
-}  // namespace kvprune::cuda_detail
+}  // namespace cuda_detail
+KVPRUNE_CUDA_NAMESPACE_END

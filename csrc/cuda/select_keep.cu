@@ -19,19 +19,18 @@
 // waits for another and the result does not depend on scheduling. Nothing
 // persists between calls besides what step 1 resets: CUDA-graph replayable.
 // Pooling (kernel_size > 1) is recomputed from the raw scores in every pass.
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "cuda/common.cuh"
 #include "cuda/pooled_load.cuh"
 #include "cuda/radix_select.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using cuda_detail::ceil_div;
@@ -123,8 +122,8 @@ __device__ __forceinline__ uint32_t* row_hist(const SelectArgs& a, int64_t row) 
   return a.hist + row * kRadixPasses * kRadixBins;  // [kRadixPasses, kRadixBins]
 }
 
-using BlockScan = cub::BlockScan<uint32_t, kBlock>;
-using BlockReduce = cub::BlockReduce<unsigned long long, kBlock>;
+using BlockScan = simt::BlockScan<uint32_t, kBlock>;
+using BlockReduce = simt::BlockReduce<unsigned long long, kBlock>;
 
 union SharedStorage {
   cuda_detail::RadixResolveStorage<kBlock> resolve;
@@ -274,13 +273,13 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
                         plan.chunk_len};
   const auto grid = static_cast<unsigned>(blocks);
   if (plan.may_select) {
-    if (cudaMemsetAsync(hist, 0, plan.hist_bytes, stream) != cudaSuccess) return Status::kCudaError;
+    if (simt::memset_async(hist, 0, plan.hist_bytes, stream) != cudaSuccess) return Status::kCudaError;
     for (int pass = 0; pass < kRadixPasses; ++pass)
-      radix_histogram_kernel<<<grid, kBlock, 0, stream>>>(args, pass);
-    chunk_count_kernel<<<grid, kBlock, 0, stream>>>(args);
+      simt::launch<radix_histogram_kernel>(grid, kBlock, 0, stream, args, pass);
+    simt::launch<chunk_count_kernel>(grid, kBlock, 0, stream, args);
   }
-  scatter_keep_kernel<<<grid, kBlock, 0, stream>>>(args);
+  simt::launch<scatter_keep_kernel>(grid, kBlock, 0, stream, args);
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

@@ -3,11 +3,12 @@
 // with -1. One thread per output index, no inputs besides seq_lens.
 #include <cstdint>
 
+#include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "cuda/common.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using cuda_detail::ceil_div;
@@ -51,8 +52,9 @@ Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream) {
 
   const StreamingArgs args{p.seq_lens, p.keep_idx, p.heads, p.length,
                            p.budget,   p.n_sink,   static_cast<uint32_t>(tiles_per_row)};
-  streaming_keep_kernel<<<static_cast<unsigned>(rows * tiles_per_row), kBlock, 0, stream>>>(args);
+  simt::launch<streaming_keep_kernel>(static_cast<unsigned>(rows * tiles_per_row), kBlock, 0, stream,
+                                      args);
   return cuda_detail::launch_status();
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

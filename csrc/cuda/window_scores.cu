@@ -17,19 +17,19 @@
 //   stats    float2 [num_chunks, batch*q_heads*window]   no lse
 //   lse      float  [batch, q_heads, window]              no lse
 //   partial  float  [splits, batch, kv_heads, length]     splits > 1
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
 
+#include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "cuda/window_scores_mma.cuh"
 #include "cuda/window_scores_reduce.cuh"
 #include "cuda/window_scores_simt.cuh"
 #include "kvprune/kvprune.h"
 
-namespace kvprune {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace {
 
 using window_scores_impl::KernelArgs;
@@ -55,12 +55,9 @@ struct DeviceLimits {
 };
 
 bool query_device_limits(DeviceLimits* limits) {
-  int device = 0, sm_count = 0, smem = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return false;
-  *limits = {sm_count, smem};
+  simt::DeviceProperties props;
+  if (!simt::current_device_properties(&props)) return false;
+  *limits = {props.sm_count, props.max_dynamic_smem_optin};
   return true;
 }
 
@@ -208,7 +205,7 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
 template <typename T, int kHeadDim, Pass kPass>
 cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
                        int64_t max_smem, cudaStream_t stream) {
-  const auto kernel = window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
+  constexpr auto kernel = &window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
   // The attribute is process-wide state of this kernel. Setting it to each call's own
   // size would let a call with a smaller plan lower it under another host thread's
   // pending launch (or a captured graph replayed later): launch failure. So it only
@@ -220,21 +217,21 @@ cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_b
   {
     const std::lock_guard<std::mutex> lock(mutex);
     raised = std::max(raised, static_cast<int64_t>(plan.smem_bytes));
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(std::min(raised, max_smem)));
+    err = simt::set_max_dynamic_smem(kernel, static_cast<int>(std::min(raised, max_smem)));
   }
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(plan.num_chunks * rows_bh), static_cast<unsigned>(plan.splits));
-  kernel<<<grid, MmaShape<kHeadDim>::kThreads, plan.smem_bytes, stream>>>(a);
-  return cudaGetLastError();
+  simt::launch<kernel>(grid, MmaShape<kHeadDim>::kThreads, plan.smem_bytes, stream, a);
+  return simt::get_last_error();
 }
 
 template <typename T, Pass kPass>
 cudaError_t launch_simt(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
                         cudaStream_t stream) {
   const auto grid = static_cast<unsigned>(plan.num_chunks * rows_bh);
-  window_scores_impl::window_scores_simt_kernel<T, kPass><<<grid, SimtShape::kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  simt::launch<window_scores_impl::window_scores_simt_kernel<T, kPass>>(grid, SimtShape::kThreads, 0,
+                                                                        stream, a);
+  return simt::get_last_error();
 }
 
 template <Pass kPass>
@@ -306,9 +303,8 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
       return Status::kCudaError;
     const int64_t rows_total = p.batch * p.q_heads * p.window;
     float* lse = reinterpret_cast<float*>(ws + layout.lse);
-    window_scores_impl::window_scores_lse_combine_kernel<<<small_kernel_blocks(rows_total, dev),
-                                                           kReduceThreads, 0, stream>>>(
-        stats.stats, p.seq_lens, lse, rows_total, p.q_heads * p.window, stats.length,
+    simt::launch<window_scores_impl::window_scores_lse_combine_kernel>(
+        small_kernel_blocks(rows_total, dev), kReduceThreads, 0, stream, stats.stats, p.seq_lens, lse, rows_total, p.q_heads * p.window, stats.length,
         static_cast<int>(plan.stats.tiles_per_chunk * plan.stats.tile_keys));
     probs.lse = lse;
   }
@@ -321,11 +317,10 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
     return Status::kCudaError;
   if (split) {
     const int64_t count = p.batch * p.kv_heads * p.length;
-    window_scores_impl::window_scores_split_reduce_kernel<<<small_kernel_blocks(count, dev),
-                                                            kReduceThreads, 0, stream>>>(
-        partial, p.scores, count, static_cast<int>(plan.probs.splits), probs.reduce_max, mean_scale);
+    simt::launch<window_scores_impl::window_scores_split_reduce_kernel>(
+        small_kernel_blocks(count, dev), kReduceThreads, 0, stream, partial, p.scores, count, static_cast<int>(plan.probs.splits), probs.reduce_max, mean_scale);
   }
-  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+  return simt::get_last_error() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
-}  // namespace kvprune
+KVPRUNE_CUDA_NAMESPACE_END

@@ -5,13 +5,13 @@
 // An empty state is (-inf, 0).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "cuda/simt.cuh"
+
 
 #include <cstdint>
 
-namespace kvprune::window_scores_impl {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace window_scores_impl {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -64,11 +64,7 @@ __device__ __forceinline__ int window_scores_last_key(int n, int window, int i) 
   return (i < window && position >= 0) ? position : -1;
 }
 
-__device__ __forceinline__ float window_scores_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+__device__ __forceinline__ float window_scores_exp2(float x) { return simt::fast_exp2(x); }
 
 // Combines two softmax states (m, l); either may be empty (-inf, 0).
 __device__ __forceinline__ float2 window_scores_merge(float2 a, float2 b) {
@@ -84,4 +80,5 @@ __device__ __forceinline__ float window_scores_to_float(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
-}  // namespace kvprune::window_scores_impl
+}  // namespace window_scores_impl
+KVPRUNE_CUDA_NAMESPACE_END

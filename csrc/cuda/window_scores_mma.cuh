@@ -17,11 +17,11 @@
 // every fragment is a single 16-byte load.
 #pragma once
 
-#include <type_traits>
-
+#include "cuda/simt.cuh"
 #include "cuda/window_scores_common.cuh"
 
-namespace kvprune::window_scores_impl {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace window_scores_impl {
 
 template <int kHeadDim>
 struct MmaShape {
@@ -37,25 +37,6 @@ struct MmaShape {
     return 2 * kHeadDim + 4 + (pass == Pass::kProbs ? 4 : 8 * kWarps);
   }
 };
-
-// acc += A (16x16, row-major) * B (16x8, col-major), fp32 accumulate.
-template <typename T>
-__device__ __forceinline__ void window_scores_mma(float (&acc)[4], uint32_t a0, uint32_t a1,
-                                                  uint32_t a2, uint32_t a3, uint32_t b0,
-                                                  uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>, "fp16 or bf16 only");
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
 
 // Logits of one m16 tile against the warp's keys. acc[nt][0..1]: row g, keys
 // nt*8 + 2t + {0,1}; acc[nt][2..3]: row g + 8, same keys.
@@ -75,8 +56,8 @@ __device__ __forceinline__ void window_scores_logits(const uint4* q_tile,
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
       const uint4 kv = k_frag[c][nt];
-      window_scores_mma<T>(acc[nt], row_lo.x, row_hi.x, row_lo.y, row_hi.y, kv.x, kv.y);
-      window_scores_mma<T>(acc[nt], row_lo.z, row_hi.z, row_lo.w, row_hi.w, kv.z, kv.w);
+      simt::mma_m16n8k16<T>(acc[nt], row_lo.x, row_hi.x, row_lo.y, row_hi.y, kv.x, kv.y);
+      simt::mma_m16n8k16<T>(acc[nt], row_lo.z, row_hi.z, row_lo.w, row_hi.w, kv.z, kv.w);
     }
   }
 }
@@ -115,7 +96,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   constexpr int kDimChunks = Shape::kDimChunks;
   constexpr int kWarpKeys = Shape::kWarpKeys;
   constexpr int kTileKeys = Shape::kTileKeys;
-  extern __shared__ uint4 window_scores_smem[];
+  uint4* const window_scores_smem = simt::dynamic_shared<uint4>();
 
   const int chunk = blockIdx.x % a.num_chunks;
   const int bh = blockIdx.x / a.num_chunks;  // batch * kv_heads + kv head
@@ -292,4 +273,5 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   }
 }
 
-}  // namespace kvprune::window_scores_impl
+}  // namespace window_scores_impl
+KVPRUNE_CUDA_NAMESPACE_END

@@ -3,9 +3,11 @@
 //  * split reduce: per-split scores (query heads split across CTAs) -> scores.
 #pragma once
 
+#include "cuda/simt.cuh"
 #include "cuda/window_scores_common.cuh"
 
-namespace kvprune::window_scores_impl {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace window_scores_impl {
 
 // lse[r] = ln(sum over the row's visible keys of exp(logit)) for every query row
 // r of [batch, q_heads, window]; -inf for a row that sees no key. Only chunks
@@ -44,4 +46,5 @@ __global__ void window_scores_split_reduce_kernel(const float* partial, float* s
   }
 }
 
-}  // namespace kvprune::window_scores_impl
+}  // namespace window_scores_impl
+KVPRUNE_CUDA_NAMESPACE_END

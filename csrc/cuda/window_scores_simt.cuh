@@ -10,9 +10,11 @@
 // conflicts); the K tile is re-read (from L1/L2) once per row block.
 #pragma once
 
+#include "cuda/simt.cuh"
 #include "cuda/window_scores_common.cuh"
 
-namespace kvprune::window_scores_impl {
+KVPRUNE_CUDA_NAMESPACE_BEGIN
+namespace window_scores_impl {
 
 struct SimtShape {
   static constexpr int kThreads = 128;
@@ -156,4 +158,5 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
   }
 }
 
-}  // namespace kvprune::window_scores_impl
+}  // namespace window_scores_impl
+KVPRUNE_CUDA_NAMESPACE_END

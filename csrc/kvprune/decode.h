@@ -1,5 +1,6 @@
 // Entry points of the decode-time eviction ops (torch-free core). Included by
 // kvprune.h; see decode_params.h for the cache layout and the exact semantics.
+// The CUDA entry points are in cuda_backend.inc.
 // Same contract as the other entry points: validate, return a Status, never
 // throw or allocate; CUDA work goes on the caller's stream without host syncs.
 #pragma once
@@ -21,13 +22,5 @@ size_t decode_scores_workspace_bytes_cpu(const DecodeScoresParams& p, const CpuE
 Status decode_scores_cpu(const DecodeScoresParams& p, void* workspace, size_t workspace_bytes,
                          const CpuExecutor& exec);
 Status h2o_evict_cpu(const H2oEvictParams& p, const CpuExecutor& exec);
-
-// ---- CUDA backend (kNotCompiled when built without CUDA) -------------------------
-Status streaming_append_cuda(const StreamingAppendParams& p, cudaStream_t stream);
-Status rerotate_keys_cuda(const RerotateKeysParams& p, cudaStream_t stream);
-size_t decode_scores_workspace_bytes_cuda(const DecodeScoresParams& p);
-Status decode_scores_cuda(const DecodeScoresParams& p, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream);
-Status h2o_evict_cuda(const H2oEvictParams& p, cudaStream_t stream);
 
 }  // namespace kvprune

@@ -37,22 +37,17 @@ size_t snapkv_workspace_bytes_cpu(const SnapKvParams& p, const CpuExecutor& exec
 Status snapkv_cpu(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
                   const CpuExecutor& exec);
 
-// ---- CUDA backend (return kNotCompiled when built without CUDA) ------------------
-// All work is enqueued on `stream`; nothing synchronises with the host.
-size_t window_scores_workspace_bytes_cuda(const WindowScoresParams& p);
-Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream);
-Status pool_scores_cuda(const PoolScoresParams& p, cudaStream_t stream);
-size_t select_keep_workspace_bytes_cuda(const SelectKeepParams& p);
-Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
-Status streaming_keep_cuda(const StreamingKeepParams& p, cudaStream_t stream);
-Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream);
-// The same chain on `stream`.
-size_t snapkv_workspace_bytes_cuda(const SnapKvParams& p);
-Status snapkv_cuda(const SnapKvParams& p, void* workspace, size_t workspace_bytes,
-                   cudaStream_t stream);
-
 }  // namespace kvprune
 
 #include "kvprune/decode.h"  // decode-time eviction ops (StreamingLLM ring, RoPE, H2O)
+
+// ---- CUDA backend (return kNotCompiled when built without CUDA) ------------------
+// All work is enqueued on `stream`; nothing synchronises with the host. The same
+// list, executed by the SIMT emulator, is declared in kvprune/emu.h. (The emulator's
+// build of the kernel sources leaves this copy out, so that calls between its entry
+// points cannot resolve, by argument-dependent lookup, to the GPU ones.)
+#if !defined(KVPRUNE_EMULATOR_BUILD)
+namespace kvprune {
+#include "kvprune/cuda_backend.inc"
+}  // namespace kvprune
+#endif

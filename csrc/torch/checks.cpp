@@ -115,4 +115,16 @@ void check_status(Status status, const char* op) {
   TORCH_CHECK(false, "kvprune.", op, " failed: ", status_string(status));
 }
 
+void check_keep_indices(const GatherKvParams& p) {
+  const int32_t* idx = p.keep_idx;  // [batch, heads, budget]
+  for (int64_t row = 0; row < p.batch * p.heads; ++row) {
+    for (int64_t t = 0; t < p.budget; ++t) {
+      const int32_t j = idx[row * p.budget + t];
+      TORCH_CHECK_INDEX(j >= -1 && j < p.length, "idx holds ", j, " at [", row / p.heads, ", ",
+                        row % p.heads, ", ", t, "]; kept indices must lie in [-1, ", p.length,
+                        ") (-1 marks padding)");
+    }
+  }
+}
+
 }  // namespace kvprune::torch_ext

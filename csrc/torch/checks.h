@@ -44,5 +44,9 @@ PoolMode parse_pool(const std::string& mode, const char* name);
 
 // Raises RuntimeError (ValueError for kInvalidArgument) if status is not kOk.
 void check_status(Status status, const char* op);
+// CPU gather: every kept index lies in [-1, length) (-1 marks padding and gives a zero
+// row). The CUDA kernels do not check (that would need a host sync): any index
+// outside [0, length) gives a zero row there.
+void check_keep_indices(const GatherKvParams& p);
 
 }  // namespace kvprune::torch_ext

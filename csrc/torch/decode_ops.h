@@ -55,41 +55,42 @@ void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::
                         int64_t rotary_dim, const std::string& layout,
                         const std::optional<at::Tensor>& inv_freq);
 
-template <typename BackendType>
+// Backends::get() returns the DecodeBackend that runs a call (see OpsFor in ops.h).
+template <typename Backends>
 struct DecodeOpsFor {
   static void streaming_append_impl(at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_pos,
                                     at::Tensor seq_lens, const at::Tensor& k_new,
                                     const at::Tensor& v_new, int64_t n_sink,
                                     const std::optional<at::Tensor>& slots) {
-    streaming_append(BackendType(), k_cache, v_cache, slot_pos, seq_lens, k_new, v_new, n_sink, slots);
+    streaming_append(Backends::get(), k_cache, v_cache, slot_pos, seq_lens, k_new, v_new, n_sink, slots);
   }
   static void rerotate_keys_impl(at::Tensor k, const at::Tensor& old_pos, const at::Tensor& new_pos,
                                  double theta, int64_t rotary_dim, std::string layout,
                                  const std::optional<at::Tensor>& inv_freq) {
-    rerotate_keys(BackendType(), k, old_pos, new_pos, theta, rotary_dim, layout, inv_freq);
+    rerotate_keys(Backends::get(), k, old_pos, new_pos, theta, rotary_dim, layout, inv_freq);
   }
   static at::Tensor decode_scores_impl(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& slot_pos, const at::Tensor& seq_lens,
                                        const std::optional<at::Tensor>& h2o_scores,
                                        std::optional<double> scale, std::string gqa,
                                        const std::optional<at::Tensor>& v_cache) {
-    return decode_scores(BackendType(), q, k_cache, slot_pos, seq_lens, h2o_scores, scale, gqa, v_cache);
+    return decode_scores(Backends::get(), q, k_cache, slot_pos, seq_lens, h2o_scores, scale, gqa, v_cache);
   }
   static at::Tensor h2o_evict_impl(at::Tensor h2o_scores, at::Tensor slot_pos,
                                    const at::Tensor& seq_lens, int64_t n_sink, int64_t recent,
                                    int64_t num) {
-    return h2o_evict(BackendType(), h2o_scores, slot_pos, seq_lens, n_sink, recent, num);
+    return h2o_evict(Backends::get(), h2o_scores, slot_pos, seq_lens, n_sink, recent, num);
   }
   static std::tuple<at::Tensor, at::Tensor> gather_kv_rope_impl(
       const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double theta,
       int64_t rotary_dim, std::string layout, const std::optional<at::Tensor>& inv_freq) {
-    return gather_kv_rope(BackendType(), k, v, idx, theta, rotary_dim, layout, inv_freq);
+    return gather_kv_rope(Backends::get(), k, v, idx, theta, rotary_dim, layout, inv_freq);
   }
   static void gather_kv_rope_out_impl(const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& idx, at::Tensor out_k, at::Tensor out_v,
                                       double theta, int64_t rotary_dim, std::string layout,
                                       const std::optional<at::Tensor>& inv_freq) {
-    gather_kv_rope_out(BackendType(), k, v, idx, out_k, out_v, theta, rotary_dim, layout, inv_freq);
+    gather_kv_rope_out(Backends::get(), k, v, idx, out_k, out_v, theta, rotary_dim, layout, inv_freq);
   }
 
   static void register_all(torch::Library& m) {

@@ -1,5 +1,7 @@
 // CPU backend of the decode ops: the core's CPU kernels on ATen's thread pool.
 #include "torch/aten_executor.h"
+#include "torch/checks.h"
+#include "torch/emulation.h"
 #include "torch/decode_ops.h"
 
 namespace kvprune::torch_ext {
@@ -19,14 +21,26 @@ class CpuDecodeBackend final : public DecodeBackend {
     return decode_scores_cpu(p, ws, ws_bytes, exec_);
   }
   Status h2o_evict(const H2oEvictParams& p) const override { return h2o_evict_cpu(p, exec_); }
-  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cpu(p, exec_); }
+  Status gather_kv(const GatherKvParams& p) const override {
+    check_keep_indices(p);
+    return gather_kv_cpu(p, exec_);
+  }
 
  private:
   CpuExecutor exec_;
 };
 
+// CPU tensors run the CPU kernels, or the CUDA kernels under the emulator inside
+// kp.testing.emulate_cuda() (torch/emulation.h).
+struct HostBackends {
+  static const DecodeBackend& get() {
+    static const CpuDecodeBackend cpu;
+    return cuda_emulation_enabled() ? emulated_cuda_decode_backend() : cpu;
+  }
+};
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CPU, m) { DecodeOpsFor<CpuDecodeBackend>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) { DecodeOpsFor<HostBackends>::register_all(m); }
 
 }  // namespace kvprune::torch_ext

@@ -27,8 +27,15 @@ class CudaDecodeBackend final : public DecodeBackend {
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 };
 
+struct CudaBackends {
+  static const DecodeBackend& get() {
+    static const CudaDecodeBackend backend;
+    return backend;
+  }
+};
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { DecodeOpsFor<CudaDecodeBackend>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { DecodeOpsFor<CudaBackends>::register_all(m); }
 
 }  // namespace kvprune::torch_ext

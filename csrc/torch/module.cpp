@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kvprune/kvprune.h"
+#include "torch/emulation.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvprune_cuda native extension: registers torch.ops.kvprune and reports build info";
@@ -11,7 +12,21 @@ PYBIND11_MODULE(_C, m) {
     info["version"] = kvprune::version();
     info["cuda"] = kvprune::cuda_compiled();
     info["cuda_archs"] = kvprune::cuda_archs();
+    info["cuda_emulator"] = kvprune::emu::compiled();  // CUDA kernels runnable on the CPU
     info["torch"] = KVPRUNE_TORCH_VERSION;  // the torch it was compiled against
     return info;
-  }, "Version, whether CUDA kernels are compiled in, and for which architectures.");
+  }, "Version, whether CUDA kernels (and their emulator) are compiled in, and for which "
+     "architectures.");
+  // Backs kvprune_cuda.testing.emulate_cuda(); schedule: 0 forward, 1 reverse, 2 shuffled.
+  m.def("_set_cuda_emulation", [](bool enabled, int schedule, uint64_t seed, int sm_count,
+                                  int host_threads) {
+    if (schedule < 0 || schedule > 2) throw pybind11::value_error("schedule must be 0, 1 or 2");
+    kvprune::emu::Options options;
+    options.schedule = static_cast<kvprune::emu::Schedule>(schedule);
+    options.seed = seed;
+    options.sm_count = sm_count;
+    options.host_threads = host_threads;
+    kvprune::torch_ext::set_cuda_emulation(enabled, options);
+  });
+  m.def("_cuda_emulation_enabled", &kvprune::torch_ext::cuda_emulation_enabled);
 }

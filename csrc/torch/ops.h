@@ -45,42 +45,43 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
                        int64_t n_sink, const std::optional<at::Tensor>& seq_lens);
 
-// Registers every op for one dispatch key; MakeBackend() returns a Backend by value.
-template <typename BackendType>
+// Registers every op for one dispatch key; Backends::get() returns the Backend that
+// runs a call (looked up per call: the CPU key may run the emulated CUDA kernels).
+template <typename Backends>
 struct OpsFor {
   static at::Tensor window_scores_impl(const at::Tensor& q, const at::Tensor& k,
                                        const std::optional<at::Tensor>& lse,
                                        std::optional<double> scale, std::string gqa,
                                        const std::optional<at::Tensor>& seq_lens) {
-    return window_scores(BackendType(), q, k, lse, scale, gqa, seq_lens);
+    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens);
   }
   static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
                                      std::string mode, int64_t window,
                                      const std::optional<at::Tensor>& seq_lens) {
-    return pool_scores(BackendType(), scores, kernel_size, mode, window, seq_lens);
+    return pool_scores(Backends::get(), scores, kernel_size, mode, window, seq_lens);
   }
   static at::Tensor select_keep_impl(const at::Tensor& scores, int64_t budget, int64_t n_sink,
                                      int64_t window, const std::optional<at::Tensor>& seq_lens) {
-    return select_keep(BackendType(), scores, budget, n_sink, window, seq_lens);
+    return select_keep(Backends::get(), scores, budget, n_sink, window, seq_lens);
   }
   static TensorPair gather_kv_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx) {
-    return gather_kv(BackendType(), k, v, idx);
+    return gather_kv(Backends::get(), k, v, idx);
   }
   static void gather_kv_out_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx,
                                  at::Tensor out_k, at::Tensor out_v) {
-    gather_kv_out(BackendType(), k, v, idx, out_k, out_v);
+    gather_kv_out(Backends::get(), k, v, idx, out_k, out_v);
   }
   static TensorTriple snapkv_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   int64_t budget, int64_t n_sink, int64_t window,
                                   int64_t kernel_size, std::string pool, std::string gqa,
                                   const std::optional<at::Tensor>& lse, std::optional<double> scale,
                                   const std::optional<at::Tensor>& seq_lens) {
-    return snapkv(BackendType(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
+    return snapkv(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
                   scale, seq_lens);
   }
   static TensorTriple streaming_impl(const at::Tensor& k, const at::Tensor& v, int64_t budget,
                                      int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
-    return streaming(BackendType(), k, v, budget, n_sink, seq_lens);
+    return streaming(Backends::get(), k, v, budget, n_sink, seq_lens);
   }
 
   static void register_all(torch::Library& m) {

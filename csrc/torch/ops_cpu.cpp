@@ -1,5 +1,7 @@
 // CPU backend: the core's CPU kernels on ATen's intra-op thread pool.
 #include "torch/aten_executor.h"
+#include "torch/checks.h"
+#include "torch/emulation.h"
 #include "torch/ops.h"
 
 namespace kvprune::torch_ext {
@@ -25,7 +27,10 @@ class CpuBackend final : public Backend {
   Status streaming_keep(const StreamingKeepParams& p) const override {
     return streaming_keep_cpu(p, exec_);
   }
-  Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cpu(p, exec_); }
+  Status gather_kv(const GatherKvParams& p) const override {
+    check_keep_indices(p);
+    return gather_kv_cpu(p, exec_);
+  }
   size_t snapkv_workspace(const SnapKvParams& p) const override {
     return snapkv_workspace_bytes_cpu(p, exec_);
   }
@@ -37,8 +42,17 @@ class CpuBackend final : public Backend {
   CpuExecutor exec_;
 };
 
+// CPU tensors run the CPU kernels, or the CUDA kernels under the emulator inside
+// kp.testing.emulate_cuda() (torch/emulation.h).
+struct HostBackends {
+  static const Backend& get() {
+    static const CpuBackend cpu;
+    return cuda_emulation_enabled() ? emulated_cuda_backend() : cpu;
+  }
+};
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CPU, m) { OpsFor<CpuBackend>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) { OpsFor<HostBackends>::register_all(m); }
 
 }  // namespace kvprune::torch_ext

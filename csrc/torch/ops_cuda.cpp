@@ -38,8 +38,15 @@ class CudaBackend final : public Backend {
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 };
 
+struct CudaBackends {
+  static const Backend& get() {
+    static const CudaBackend backend;
+    return backend;
+  }
+};
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { OpsFor<CudaBackend>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { OpsFor<CudaBackends>::register_all(m); }
 
 }  // namespace kvprune::torch_ext

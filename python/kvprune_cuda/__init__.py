@@ -8,6 +8,7 @@ plain PyTorch.
 
 from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
 from kvprune_cuda import _fake_decode  # noqa: F401  (fake impls of the decode ops)
+from kvprune_cuda import testing  # noqa: F401  (kp.testing.emulate_cuda)
 from kvprune_cuda._ops import (
     KeptKV,
     build_info,

@@ -1,0 +1,574 @@
+// The SIMT emulator's runtime (see runtime.h for the execution model).
+#include "emu/runtime.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <driver_types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace kvprune::emu {
+namespace detail {
+
+__thread EmuThread* t_thread = nullptr;
+__thread const BlockContext* t_block = nullptr;
+
+namespace {
+
+thread_local Options t_options;
+thread_local int t_error_code = cudaSuccess;  // cudaGetLastError
+thread_local std::string t_fault;             // last_error(); while set, launches are skipped
+
+std::string format(const char* fmt, ...) {
+  char buffer[1024];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buffer, sizeof buffer, fmt, args);
+  va_end(args);
+  return buffer;
+}
+
+// "0-31, 40, 42-43" for a sorted list of thread ids.
+std::string id_ranges(const std::vector<int>& ids) {
+  std::string text;
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+    if (!text.empty()) text += ", ";
+    text += j == i ? std::to_string(ids[i]) : std::to_string(ids[i]) + "-" + std::to_string(ids[j]);
+    i = j + 1;
+  }
+  return text;
+}
+
+std::string lane_ranges(unsigned mask) {
+  std::vector<int> lanes;
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask >> l & 1u) lanes.push_back(l);
+  return id_ranges(lanes);
+}
+
+const char* base_name(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash != nullptr ? slash + 1 : path;
+}
+
+const char* collective_name(Collective kind) {
+  switch (kind) {
+    case Collective::kShuffleXor: return "__shfl_xor_sync";
+    case Collective::kShuffleIdx: return "__shfl_sync";
+    case Collective::kMatchAny: return "__match_any_sync";
+    case Collective::kMmaF16: return "mma.sync.m16n8k16 (f16)";
+    case Collective::kMmaBf16: return "mma.sync.m16n8k16 (bf16)";
+  }
+  return "collective";
+}
+
+// ---- mma.sync m16n8k16, fragment layouts of the PTX ISA -----------------------------
+// groupID g = lane / 4, t = lane % 4.
+//   A 16x16 (row-major), registers a0..a3, two elements each (low half first),
+//     element i in 0..7: row g + 8 * ((i / 2) % 2), col 2t + (i % 2) + 8 * (i / 4).
+//   B 16x8 (column-major), registers b0, b1, element i in 0..3: row 2t + (i % 2) + 8 * (i / 2),
+//     col g.
+//   C, D 16x8 fp32, c0..c3: row g + 8 * (i / 2), col 2t + (i % 2).
+float element_to_float(uint32_t reg, int half, bool bf16) {
+  const auto bits = static_cast<unsigned short>(half == 0 ? reg & 0xffffu : reg >> 16);
+  if (bf16) {
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return __bfloat162float(__nv_bfloat16(raw));
+  }
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+
+void mma_m16n8k16(EmuThread* const* lanes, bool bf16) {
+  float a[16][16], b[16][8], c[16][8];
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const uint32_t* in = lanes[lane]->in;  // a0..a3, b0, b1, c0..c3
+    for (int i = 0; i < 8; ++i)
+      a[g + 8 * ((i / 2) % 2)][2 * t + i % 2 + 8 * (i / 4)] = element_to_float(in[i / 2], i % 2, bf16);
+    for (int i = 0; i < 4; ++i)
+      b[2 * t + i % 2 + 8 * (i / 2)][g] = element_to_float(in[4 + i / 2], i % 2, bf16);
+    for (int i = 0; i < 4; ++i) std::memcpy(&c[g + 8 * (i / 2)][2 * t + i % 2], &in[6 + i], 4);
+  }
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+      float acc = c[row][col];  // products of f16/bf16 values are exact in fp32
+      for (int k = 0; k < 16; ++k) acc += a[row][k] * b[k][col];
+      std::memcpy(&lanes[lane]->out[i], &acc, 4);
+    }
+  }
+}
+
+// ---- one block ---------------------------------------------------------------------------
+struct PendingCollective {
+  Collective kind;
+  unsigned mask;
+  uint32_t param;
+  const char* file;
+  int line;
+  unsigned arrived;
+};
+
+struct Launch {
+  KernelRef kernel;
+  dim3 grid, block;
+  size_t dynamic_smem;
+  void (*body)(void*);
+  void* ctx;
+  Options options;
+  std::atomic<uint64_t> next_block{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  std::string error;  // the first failure
+};
+
+// Fibers (and their stacks) of one host worker, reused from block to block and
+// from launch to launch.
+struct FiberPool {
+  std::vector<std::unique_ptr<EmuThread>> threads;
+};
+
+std::mutex g_pools_mutex;
+std::vector<std::unique_ptr<FiberPool>> g_free_pools;
+
+std::unique_ptr<FiberPool> acquire_pool() {
+  const std::lock_guard<std::mutex> lock(g_pools_mutex);
+  if (g_free_pools.empty()) return std::make_unique<FiberPool>();
+  auto pool = std::move(g_free_pools.back());
+  g_free_pools.pop_back();
+  return pool;
+}
+
+void release_pool(std::unique_ptr<FiberPool> pool) {
+  const std::lock_guard<std::mutex> lock(g_pools_mutex);
+  g_free_pools.push_back(std::move(pool));
+}
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+class BlockRun;
+__thread BlockRun* t_run = nullptr;
+
+class BlockRun {
+ public:
+  BlockRun(Launch& launch, FiberPool& pool) : launch_(launch), pool_(pool) {
+    const dim3 b = launch.block;
+    size_ = static_cast<int>(b.x * b.y * b.z);
+    while (static_cast<int>(pool_.threads.size()) < size_)
+      pool_.threads.push_back(std::make_unique<EmuThread>());
+    threads_.resize(size_);
+    for (int i = 0; i < size_; ++i) threads_[i] = pool_.threads[i].get();
+    warps_.resize((size_ + kWarpSize - 1) / kWarpSize);
+    order_.resize(size_);
+  }
+
+  // Runs one block; false (and *error set) when it broke a rule.
+  bool run(uint64_t linear_block, std::string* error) {
+    const dim3 g = launch_.grid, b = launch_.block;
+    context_.block_idx = {static_cast<unsigned>(linear_block % g.x),
+                          static_cast<unsigned>(linear_block / g.x % g.y),
+                          static_cast<unsigned>(linear_block / g.x / g.y)};
+    context_.block_dim = b;
+    context_.grid_dim = g;
+    // Exactly the requested bytes (AddressSanitizer sees any access past them),
+    // filled with 0xff so that reads before writes show (NaN, -1).
+    std::unique_ptr<char, decltype(&std::free)> smem(
+        static_cast<char*>(std::malloc(std::max<size_t>(launch_.dynamic_smem, 1))), &std::free);
+    std::memset(smem.get(), 0xff, launch_.dynamic_smem);
+    context_.dynamic_smem = launch_.dynamic_smem > 0 ? smem.get() : nullptr;
+    for (int i = 0; i < size_; ++i) {
+      EmuThread* t = threads_[i];
+      t->linear = i;
+      t->thread_idx = {static_cast<unsigned>(i % b.x), static_cast<unsigned>(i / b.x % b.y),
+                       static_cast<unsigned>(i / b.x / b.y)};
+      t->state = ThreadState::kRunnable;
+      t->wait_file = nullptr;
+      t->fiber.reset(&thread_main, t);
+    }
+    for (auto& w : warps_) w.clear();
+    at_barrier_ = exited_ = 0;
+    failed_ = false;
+    linear_block_ = linear_block;
+    t_block = &context_;
+    t_run = this;
+    bool ok = schedule();
+    t_block = nullptr;
+    t_run = nullptr;
+    t_thread = nullptr;
+    if (!ok) *error = describe_block() + ": " + failure_;
+    return ok;
+  }
+
+  void barrier(const char* file, int line) {
+    EmuThread* t = t_thread;
+    t->state = ThreadState::kAtBarrier;
+    t->wait_file = file;
+    t->wait_line = line;
+    ++at_barrier_;
+    t->fiber.suspend();
+  }
+
+  void collective(Collective kind, unsigned mask, uint32_t param, const char* file, int line,
+                  const uint32_t* in, int in_words, uint32_t* out, int out_words) {
+    EmuThread* t = t_thread;
+    const int warp = t->linear / kWarpSize, lane = t->linear % kWarpSize;
+    const unsigned bit = 1u << lane;
+    const unsigned existing = warp_lanes(warp);
+    if ((mask & bit) == 0)
+      fail(format("thread %d (warp %d lane %d) calls %s at %s:%d with mask 0x%08x, which does not "
+                  "name its own lane",
+                  t->linear, warp, lane, collective_name(kind), base_name(file), line, mask));
+    if ((mask & ~existing) != 0)
+      fail(format("warp %d: %s at %s:%d names lanes %s, which this block does not have", warp,
+                  collective_name(kind), base_name(file), line, lane_ranges(mask & ~existing).c_str()));
+    auto& pending = warps_[warp];
+    PendingCollective* p = nullptr;
+    for (auto& candidate : pending)
+      if (candidate.mask & bit) p = &candidate;
+    if (p != nullptr && (p->kind != kind || p->mask != mask || p->param != param ||
+                         p->file != file || p->line != line)) {
+      fail(format("warp %d: lane %d reaches %s (mask 0x%08x) at %s:%d while lanes %s wait at %s "
+                  "(mask 0x%08x) at %s:%d",
+                  warp, lane, collective_name(kind), mask, base_name(file), line,
+                  lane_ranges(p->arrived).c_str(), collective_name(p->kind), p->mask,
+                  base_name(p->file), p->line));
+    }
+    if (p == nullptr) {
+      pending.push_back({kind, mask, param, file, line, 0u});
+      p = &pending.back();
+    }
+    std::memcpy(t->in, in, sizeof(uint32_t) * in_words);
+    p->arrived |= bit;
+    if (p->arrived == mask) {
+      complete(warp, *p);
+      for (int l = 0; l < kWarpSize; ++l) {
+        if ((mask >> l & 1u) && l != lane) thread_of(warp, l)->state = ThreadState::kRunnable;
+      }
+      pending.erase(pending.begin() + (p - pending.data()));
+    } else {
+      t->state = ThreadState::kAtCollective;
+      t->wait_file = file;
+      t->wait_line = line;
+      t->fiber.suspend();
+    }
+    std::memcpy(out, t->out, sizeof(uint32_t) * out_words);
+  }
+
+  [[noreturn]] void fail(std::string what) {
+    failed_ = true;
+    failure_ = std::move(what);
+    t_thread->fiber.suspend();  // never resumed
+    std::abort();
+  }
+
+ private:
+  static void thread_main(void* arg) {
+    auto* t = static_cast<EmuThread*>(arg);
+    BlockRun* run = t_run;
+    run->launch_.body(run->launch_.ctx);
+    t->state = ThreadState::kExited;
+    ++run->exited_;
+  }
+
+  unsigned warp_lanes(int warp) const {
+    const int lanes = std::min(kWarpSize, size_ - warp * kWarpSize);
+    return lanes == kWarpSize ? 0xffffffffu : (1u << lanes) - 1u;
+  }
+
+  EmuThread* thread_of(int warp, int lane) { return threads_[warp * kWarpSize + lane]; }
+
+  void complete(int warp, const PendingCollective& p) {
+    EmuThread* lanes[kWarpSize] = {};
+    for (int l = 0; l < kWarpSize; ++l)
+      if (p.mask >> l & 1u) lanes[l] = thread_of(warp, l);
+    switch (p.kind) {
+      case Collective::kShuffleXor:
+      case Collective::kShuffleIdx:
+        for (int l = 0; l < kWarpSize; ++l) {
+          if (lanes[l] == nullptr) continue;
+          const int src = p.kind == Collective::kShuffleXor ? (l ^ static_cast<int>(p.param)) & 31
+                                                           : static_cast<int>(lanes[l]->in[2] & 31u);
+          if ((p.mask >> src & 1u) == 0)
+            fail(format("warp %d: lane %d of %s at %s:%d reads lane %d, which is not in the mask "
+                        "0x%08x",
+                        warp, l, collective_name(p.kind), base_name(p.file), p.line, src, p.mask));
+          lanes[l]->out[0] = lanes[src]->in[0];
+          lanes[l]->out[1] = lanes[src]->in[1];
+        }
+        break;
+      case Collective::kMatchAny:
+        for (int l = 0; l < kWarpSize; ++l) {
+          if (lanes[l] == nullptr) continue;
+          unsigned same = 0;
+          for (int m = 0; m < kWarpSize; ++m)
+            if (lanes[m] != nullptr && lanes[m]->in[0] == lanes[l]->in[0] &&
+                lanes[m]->in[1] == lanes[l]->in[1])
+              same |= 1u << m;
+          lanes[l]->out[0] = same;
+        }
+        break;
+      case Collective::kMmaF16:
+      case Collective::kMmaBf16:
+        if (p.mask != 0xffffffffu)
+          fail(format("warp %d: %s at %s:%d needs all 32 lanes, mask is 0x%08x", warp,
+                      collective_name(p.kind), base_name(p.file), p.line, p.mask));
+        mma_m16n8k16(lanes, p.kind == Collective::kMmaBf16);
+        break;
+    }
+  }
+
+  void make_order(uint64_t phase) {
+    for (int i = 0; i < size_; ++i) order_[i] = i;
+    switch (launch_.options.schedule) {
+      case Schedule::kForward: break;
+      case Schedule::kReverse: std::reverse(order_.begin(), order_.end()); break;
+      case Schedule::kShuffled: {
+        uint64_t state = launch_.options.seed ^ (linear_block_ * 0x2545f4914f6cdd1dull) ^
+                         (phase * 0x9e3779b97f4a7c15ull);
+        for (int i = size_ - 1; i > 0; --i)
+          std::swap(order_[i], order_[static_cast<int>(splitmix64(state) % (i + 1))]);
+        break;
+      }
+    }
+  }
+
+  bool schedule() {
+    uint64_t phase = 0;
+    make_order(phase);
+    for (;;) {
+      bool ran = false;
+      for (int i : order_) {
+        EmuThread* t = threads_[i];
+        if (t->state != ThreadState::kRunnable) continue;
+        t_thread = t;
+        t->fiber.resume();
+        t_thread = nullptr;
+        ran = true;
+        if (failed_) return false;
+      }
+      if (exited_ == size_) return true;
+      if (at_barrier_ == size_) {  // the barrier opens
+        for (EmuThread* t : threads_) t->state = ThreadState::kRunnable;
+        at_barrier_ = 0;
+        make_order(++phase);
+        continue;
+      }
+      if (!ran) {
+        failure_ = describe_deadlock();
+        return false;
+      }
+    }
+  }
+
+  std::string describe_block() const {
+    const uint3 b = context_.block_idx;
+    return format("kvprune emulator: %s, block (%u,%u,%u)", launch_.kernel.name, b.x, b.y, b.z);
+  }
+
+  std::string describe_deadlock() const {
+    std::vector<int> at_barrier, exited;
+    std::string barrier_sites;
+    for (const EmuThread* t : threads_) {
+      if (t->state == ThreadState::kAtBarrier) {
+        at_barrier.push_back(t->linear);
+        const std::string site = format("%s:%d", base_name(t->wait_file), t->wait_line);
+        if (barrier_sites.find(site) == std::string::npos)
+          barrier_sites += (barrier_sites.empty() ? "" : ", ") + site;
+      } else if (t->state == ThreadState::kExited) {
+        exited.push_back(t->linear);
+      }
+    }
+    std::string text;
+    if (!at_barrier.empty() && at_barrier.size() + exited.size() == threads_.size()) {
+      return format("__syncthreads (%s) is reached by only part of the block: threads %s wait "
+                    "there, threads %s exited without reaching it",
+                    barrier_sites.c_str(), id_ranges(at_barrier).c_str(), id_ranges(exited).c_str());
+    }
+    text = "deadlock:";
+    if (!at_barrier.empty())
+      text += format(" threads %s wait at __syncthreads (%s);", id_ranges(at_barrier).c_str(),
+                     barrier_sites.c_str());
+    for (size_t w = 0; w < warps_.size(); ++w) {
+      for (const auto& p : warps_[w]) {
+        std::string missing;
+        for (int l = 0; l < kWarpSize; ++l) {
+          if (!(p.mask >> l & 1u) || (p.arrived >> l & 1u)) continue;
+          const EmuThread* t = threads_[w * kWarpSize + l];
+          const char* where = t->state == ThreadState::kExited      ? "exited"
+                              : t->state == ThreadState::kAtBarrier ? "at __syncthreads"
+                                                                     : "at another collective";
+          missing += format("%s lane %d %s", missing.empty() ? "" : ",", l, where);
+        }
+        text += format(" warp %zu: %s (mask 0x%08x) at %s:%d has lanes %s, missing%s;", w,
+                       collective_name(p.kind), p.mask, base_name(p.file), p.line,
+                       lane_ranges(p.arrived).c_str(), missing.c_str());
+      }
+    }
+    if (!exited.empty()) text += format(" threads %s exited", id_ranges(exited).c_str());
+    return text;
+  }
+
+  Launch& launch_;
+  FiberPool& pool_;
+  int size_ = 0;
+  std::vector<EmuThread*> threads_;
+  std::vector<std::vector<PendingCollective>> warps_;
+  std::vector<int> order_;
+  BlockContext context_{};
+  uint64_t linear_block_ = 0;
+  int at_barrier_ = 0;
+  int exited_ = 0;
+  bool failed_ = false;
+  std::string failure_;
+};
+
+void run_blocks(Launch& launch) {
+  auto pool = acquire_pool();
+  {
+    BlockRun run(launch, *pool);
+    const uint64_t blocks = static_cast<uint64_t>(launch.grid.x) * launch.grid.y * launch.grid.z;
+    std::string error;
+    for (;;) {
+      if (launch.failed.load(std::memory_order_relaxed)) break;
+      const uint64_t b = launch.next_block.fetch_add(1, std::memory_order_relaxed);
+      if (b >= blocks) break;
+      if (!run.run(b, &error)) {
+        const std::lock_guard<std::mutex> lock(launch.error_mutex);
+        if (!launch.failed.exchange(true)) launch.error = error;
+        break;
+      }
+    }
+  }
+  release_pool(std::move(pool));
+}
+
+std::mutex g_attr_mutex;
+std::unordered_map<const void*, int> g_max_dynamic_smem;  // cudaFuncSetAttribute
+
+size_t allowed_dynamic_smem(const void* kernel_id) {
+  const std::lock_guard<std::mutex> lock(g_attr_mutex);
+  const auto it = g_max_dynamic_smem.find(kernel_id);
+  return it == g_max_dynamic_smem.end() ? kDefaultDynamicSmem : static_cast<size_t>(it->second);
+}
+
+int config_error(std::string what) {
+  t_error_code = cudaErrorInvalidConfiguration;
+  t_fault = std::move(what);
+  return cudaErrorInvalidConfiguration;
+}
+
+}  // namespace
+
+void syncthreads(const char* file, int line) { t_run->barrier(file, line); }
+
+void warp_collective(Collective kind, unsigned mask, uint32_t param, const char* file, int line,
+                     const uint32_t* in, int in_words, uint32_t* out, int out_words) {
+  t_run->collective(kind, mask, param, file, line, in, in_words, out, out_words);
+}
+
+void fail_thread(const char* what) {
+  t_run->fail(format("thread %d: %s", t_thread->linear, what));
+}
+
+int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
+           void (*body)(void* ctx), void* ctx) {
+  if (!t_fault.empty()) {  // an earlier kernel faulted and nobody has looked yet
+    t_error_code = cudaErrorLaunchFailure;
+    return cudaErrorLaunchFailure;
+  }
+  const uint64_t threads = static_cast<uint64_t>(block.x) * block.y * block.z;
+  const std::string where = format("kvprune emulator: launch of %s with grid (%u,%u,%u), block (%u,%u,%u)",
+                                   kernel.name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+  if (threads == 0 || threads > kMaxThreadsPerBlock || block.z > kMaxBlockDimZ)
+    return config_error(where + format(": a block has 1 to %u threads (block.z <= %u)",
+                                       kMaxThreadsPerBlock, kMaxBlockDimZ));
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kMaxGridDimX ||
+      grid.y > kMaxGridDimYZ || grid.z > kMaxGridDimYZ)
+    return config_error(where + ": grid dimensions out of range (x < 2^31, y, z <= 65535)");
+  const size_t allowed = allowed_dynamic_smem(kernel.id);
+  if (dynamic_smem > allowed)
+    return config_error(where + format(": %zu bytes of dynamic shared memory, the kernel allows %zu "
+                                       "(48 KB unless cudaFuncSetAttribute raised it)",
+                                       dynamic_smem, allowed));
+  Launch state;
+  state.kernel = kernel;
+  state.grid = grid;
+  state.block = block;
+  state.dynamic_smem = dynamic_smem;
+  state.body = body;
+  state.ctx = ctx;
+  state.options = t_options;
+  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  int workers = state.options.host_threads > 0
+                    ? state.options.host_threads
+                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  workers = static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(workers), blocks));
+  std::vector<std::thread> helpers;
+  for (int w = 1; w < workers; ++w) helpers.emplace_back([&state] { run_blocks(state); });
+  run_blocks(state);
+  for (auto& h : helpers) h.join();
+  if (state.failed.load()) {
+    t_error_code = cudaErrorLaunchFailure;
+    t_fault = state.error;
+    return cudaErrorLaunchFailure;
+  }
+  return cudaSuccess;
+}
+
+int set_max_dynamic_smem(const void* kernel_id, int bytes) {
+  if (bytes < 0 || static_cast<size_t>(bytes) > kMaxDynamicSmemOptin) {
+    t_error_code = cudaErrorInvalidValue;
+    t_fault = format("kvprune emulator: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d): at "
+                     "most %zu bytes on an H100",
+                     bytes, kMaxDynamicSmemOptin);
+    return cudaErrorInvalidValue;
+  }
+  const std::lock_guard<std::mutex> lock(g_attr_mutex);
+  g_max_dynamic_smem[kernel_id] = bytes;
+  return cudaSuccess;
+}
+
+int take_last_error_code() {
+  const int code = t_error_code;
+  t_error_code = cudaSuccess;
+  return code;
+}
+
+}  // namespace detail
+
+bool compiled() { return true; }
+
+void set_options(const Options& options) { detail::t_options = options; }
+
+Options options() { return detail::t_options; }
+
+const char* last_error() {
+  thread_local std::string message;
+  message = std::move(detail::t_fault);
+  detail::t_fault.clear();
+  return message.c_str();
+}
+
+}  // namespace kvprune::emu
