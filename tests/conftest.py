@@ -9,7 +9,10 @@ sees device "cpu"; ``helpers.on_cuda_path`` tells it which kernels run).
 
 from __future__ import annotations
 
+import collections
 import os
+import pathlib
+import re
 import zlib
 
 # Deterministic mode (see poison_uninitialized_memory) wants a fixed cuBLAS workspace.
@@ -34,13 +37,77 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (compile, long sequences)")
 
 
+# opcheck and torch.compile cannot trace through the dispatch mode that compares
+# schedules: these tests run under one schedule.
+SINGLE_SCHEDULE_FILES = ("test_dispatcher.py",)
+
+
+def launch_counts() -> dict:
+    return dict(kp._C._emulated_launch_counts()) if HAS_EMULATOR else {}
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     if request.param != "cuda_emu":
         yield request.param
         return
-    with kp.testing.emulate_cuda(schedules=EMULATED_SCHEDULES):
+    single = request.node.path.name in SINGLE_SCHEDULE_FILES
+    before = launch_counts()
+    with kp.testing.emulate_cuda(schedules=EMULATED_SCHEDULES[:1] if single else EMULATED_SCHEDULES):
         yield "cpu"
+    after = launch_counts()
+    request.node.emulated_kernels = {k for k, n in after.items() if n > before.get(k, 0)}
+
+
+# ---- which CUDA kernels the passing cuda_emu tests ran --------------------------------
+# Printed at the end of the run; with KVPRUNE_EMU_KERNEL_TABLE=path also written there
+# as a Markdown table. Kernels of csrc/cuda that no passing test ran are named.
+KERNEL_TESTS: collections.Counter = collections.Counter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.emulated_passed = report.passed
+    elif report.when == "teardown" and getattr(item, "emulated_passed", False):
+        for kernel in getattr(item, "emulated_kernels", ()):
+            KERNEL_TESTS[kernel] += 1
+
+
+def kernel_family(name: str) -> str:
+    return re.sub(r"^.*::", "", name.split("<")[0])
+
+
+def source_kernels() -> set:
+    root = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cuda"
+    names = set()
+    for path in root.glob("*.cu*"):
+        text = re.sub(r"__launch_bounds__\([^)]*\)", "", path.read_text())
+        for m in re.finditer(r"__global__[^(]*?\b(\w+)\s*\(", text):
+            names.add(m.group(1))
+    return names
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not KERNEL_TESTS:
+        return
+    families = collections.Counter()
+    for name, tests in KERNEL_TESTS.items():
+        families[kernel_family(name)] += tests
+    missing = sorted(source_kernels() - set(families))
+    terminalreporter.write_line(
+        f"cuda_emu: {len(KERNEL_TESTS)} kernel instantiations of {len(families)} kernels ran in "
+        f"passing tests; kernels of csrc/cuda never run: {', '.join(missing) or 'none'}")
+    path = os.environ.get("KVPRUNE_EMU_KERNEL_TABLE")
+    if path:
+        lines = ["| kernel | instantiation | passing cuda_emu tests that ran it |", "|---|---|---|"]
+        for name in sorted(KERNEL_TESTS, key=lambda n: (kernel_family(n), n)):
+            lines.append(f"| `{kernel_family(name)}` | `{name}` | {KERNEL_TESTS[name]} |")
+        for name in missing:
+            lines.append(f"| `{name}` | (none) | 0 |")
+        pathlib.Path(path).write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture

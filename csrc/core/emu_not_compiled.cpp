@@ -8,6 +8,7 @@ bool compiled() { return false; }
 void set_options(const Options&) {}
 Options options() { return {}; }
 const char* last_error() { return ""; }
+void for_each_launch_count(void (*)(void*, const char*, uint64_t), void*) {}
 
 #include "core/cuda_stubs.inc"
 

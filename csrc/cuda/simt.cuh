@@ -140,8 +140,7 @@ inline bool current_device_properties(DeviceProperties* props) {
 // "window_scores_mma_kernel<__half, 64, ...>" from this template's signature.
 template <auto Kernel>
 const char* kernel_name() {
-  static const std::string name = [] {
-    const std::string signature = __PRETTY_FUNCTION__;
+  static const std::string name = [signature = std::string(__PRETTY_FUNCTION__)] {
     const size_t begin = signature.find("Kernel = ");
     if (begin == std::string::npos) return signature;
     const size_t end = signature.find_first_of(";]", begin);

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -464,6 +465,14 @@ void run_blocks(Launch& launch) {
   release_pool(std::move(pool));
 }
 
+std::mutex g_counts_mutex;
+std::map<std::string, uint64_t> g_launch_counts;  // kernel name -> launches that ran
+
+void count_launch(const char* kernel) {
+  const std::lock_guard<std::mutex> lock(g_counts_mutex);
+  ++g_launch_counts[kernel];
+}
+
 std::mutex g_attr_mutex;
 std::unordered_map<const void*, int> g_max_dynamic_smem;  // cudaFuncSetAttribute
 
@@ -512,6 +521,7 @@ int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
     return config_error(where + format(": %zu bytes of dynamic shared memory, the kernel allows %zu "
                                        "(48 KB unless cudaFuncSetAttribute raised it)",
                                        dynamic_smem, allowed));
+  count_launch(kernel.name);
   Launch state;
   state.kernel = kernel;
   state.grid = grid;
@@ -563,6 +573,11 @@ bool compiled() { return true; }
 void set_options(const Options& options) { detail::t_options = options; }
 
 Options options() { return detail::t_options; }
+
+void for_each_launch_count(void (*fn)(void* ctx, const char* kernel, uint64_t launches), void* ctx) {
+  const std::lock_guard<std::mutex> lock(detail::g_counts_mutex);
+  for (const auto& [name, count] : detail::g_launch_counts) fn(ctx, name.c_str(), count);
+}
 
 const char* last_error() {
   thread_local std::string message;

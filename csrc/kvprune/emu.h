@@ -36,6 +36,9 @@ Options options();
 // Why the last failed launch of the calling thread failed ("" if none); reading it
 // clears it, as cudaGetLastError does.
 const char* last_error();
+// Every kernel (template instantiation) launched so far in this process, with its
+// number of launches: fn(ctx, name, launches) once per kernel, for coverage reports.
+void for_each_launch_count(void (*fn)(void* ctx, const char* kernel, uint64_t launches), void* ctx);
 
 #include "kvprune/cuda_backend.inc"
 

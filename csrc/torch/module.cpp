@@ -29,4 +29,13 @@ PYBIND11_MODULE(_C, m) {
     kvprune::torch_ext::set_cuda_emulation(enabled, options);
   });
   m.def("_cuda_emulation_enabled", &kvprune::torch_ext::cuda_emulation_enabled);
+  m.def("_emulated_launch_counts", [] {  // kernel name -> launches so far (coverage reports)
+    pybind11::dict counts;
+    kvprune::emu::for_each_launch_count(
+        [](void* ctx, const char* kernel, uint64_t launches) {
+          (*static_cast<pybind11::dict*>(ctx))[kernel] = launches;
+        },
+        &counts);
+    return counts;
+  });
 }
