@@ -1,0 +1,4 @@
+#include "test_emu.h"
+namespace emu_test {
+void decode_cases() {}
+}

@@ -1,0 +1,478 @@
+// test_emu cases of the prefill ops: window_scores, pool_scores, select_keep,
+// streaming_keep, gather_kv (with fused RoPE) and snapkv. The comments name the
+// launch-heuristic edge each case reaches (csrc/cuda/*.cu).
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "test_emu.h"
+
+namespace emu_test {
+namespace {
+
+using kvprune::GqaReduce;
+using kvprune::PoolMode;
+using kvprune::RopeLayout;
+namespace emu = kvprune::emu;
+
+const kvprune::CpuExecutor kSerial{};
+
+std::vector<Config> shuffled_configs(std::vector<int> sms = {132}) { return configs(true, std::move(sms)); }
+
+// ---- window_scores ------------------------------------------------------------------------
+struct Ws {
+  Ws(const char* name, DType dtype, int64_t B, int64_t Hq, int64_t Hkv, int64_t N, int64_t W, int64_t D)
+      : name(name), dtype(dtype), B(B), Hq(Hq), Hkv(Hkv), N(N), W(W), D(D) {}
+  Ws& bnhd() { bnhd_view = true; return *this; }
+  Ws& padded(int64_t elements) { pad = elements; return *this; }
+  Ws& offset(size_t bytes) { q_offset = bytes; return *this; }
+  Ws& with_lse() { lse = true; return *this; }
+  Ws& gqa(GqaReduce r) { reduce = r; return *this; }
+  Ws& ragged(std::vector<int32_t> lens) { seq_lens = std::move(lens); return *this; }
+  Ws& sm_counts(std::vector<int> s) { sms = std::move(s); return *this; }
+  Ws& shuffle() { shuffled = true; return *this; }
+  Ws& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
+  const char* name;
+  DType dtype;
+  int64_t B, Hq, Hkv, N, W, D;
+  bool bnhd_view = false;
+  int64_t pad = 0;       // extra elements after every q and k row
+  size_t q_offset = 0;   // bytes the q pointer sits past a 64-byte boundary
+  bool lse = false;
+  GqaReduce reduce = GqaReduce::kMean;
+  std::vector<int32_t> seq_lens;
+  std::vector<int> sms = {132};
+  bool shuffled = false;
+  std::vector<std::string> kernels;  // must be launched
+};
+
+// The log-sum-exp of each window query (double), what a flash-attention prefill returns.
+void fill_lse(Buffer& lse, const Buffer& q, const Tokens& qt, const Buffer& k, const Tokens& kt,
+              const Ws& s, float scale) {
+  const int64_t G = s.Hq / s.Hkv;
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t n = s.seq_lens.empty() ? s.N : s.seq_lens[b];
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t i = 0; i < s.W; ++i) {
+        const int64_t pos = n - s.W + i;
+        double m = -INFINITY, sum = 0;
+        std::vector<double> logits;
+        for (int64_t j = 0; j <= pos; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < s.D; ++d)
+            dot += q.value(b * qt.bs + h * qt.hs + i * qt.ts + d) *
+                   k.value(b * kt.bs + (h / G) * kt.hs + j * kt.ts + d);
+          logits.push_back(dot * scale);
+          m = std::max(m, dot * scale);
+        }
+        for (double x : logits) sum += std::exp(x - m);
+        lse.as<float>()[(b * s.Hq + h) * s.W + i] = pos >= 0 ? static_cast<float>(m + std::log(sum)) : 0.f;
+      }
+  }
+}
+
+void window_scores_case(const Ws& s) {
+  Case c(s.name);
+  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
+  const Elem e = elem_of(s.dtype);
+  const Tokens qt = layout(s.bnhd_view, s.B, s.Hq, s.W, s.D, s.pad);
+  const Tokens kt = layout(s.bnhd_view, s.B, s.Hkv, s.N, s.D, s.pad);
+  Buffer& q = c.add("q", Role::kIn, e, qt.span, exact(), s.q_offset);
+  Buffer& k = c.add("k", Role::kIn, e, kt.span);
+  fill_normal(q);
+  fill_normal(k);
+  kvprune::WindowScoresParams p;
+  p.q = ctok(q, qt);
+  p.k = ctok(k, kt);
+  p.dtype = s.dtype;
+  p.batch = s.B;
+  p.q_heads = s.Hq;
+  p.kv_heads = s.Hkv;
+  p.length = s.N;
+  p.window = s.W;
+  p.head_dim = s.D;
+  p.scale = 1.f / std::sqrt(static_cast<float>(s.D));
+  p.reduce = s.reduce;
+  if (!s.seq_lens.empty()) {
+    Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
+    set_ints(lens, s.seq_lens);
+    p.seq_lens = lens.as<int32_t>();
+  }
+  if (s.lse) {
+    Buffer& lse = c.add("lse", Role::kIn, Elem::kF32, s.B * s.Hq * s.W);
+    fill_lse(lse, q, qt, k, kt, s, p.scale);
+    p.lse = lse.as<float>();
+  }
+  Buffer& scores = c.add("scores", Role::kOut, Elem::kF32, s.B * s.Hkv * s.N, within(score_tol(s.dtype), s.N));
+  p.scores = scores.as<float>();
+  c.run(
+      [&] {
+        Workspace ws(kvprune::window_scores_workspace_bytes_cpu(p, kSerial));
+        return kvprune::window_scores_cpu(p, ws.ptr(), ws.bytes, kSerial);
+      },
+      [&] {
+        Workspace ws(emu::window_scores_workspace_bytes_cuda(p));
+        return emu::window_scores_cuda(p, ws.ptr(), ws.bytes, nullptr);
+      },
+      configs(s.shuffled, s.sms));
+}
+
+void window_scores_cases() {
+  const DType f32 = DType::kFloat32, f16 = DType::kFloat16, bf16 = DType::kBFloat16;
+  const char* simt_f32 = "window_scores_simt_kernel<float";
+  const char* simt_f16 = "window_scores_simt_kernel<__half";
+  const char* split = "window_scores_split_reduce_kernel";
+  // CUDA-core path (fp32 or a head_dim without tensor cores): key tiles of 256.
+  window_scores_case(Ws("window_scores fp32 D=20 simt N=300 W=5 seq{300,3}", f32, 2, 4, 2, 300, 5, 20)
+                         .ragged({300, 3}).expect(simt_f32).expect("lse_combine"));
+  window_scores_case(Ws("window_scores fp16 D=96 simt BNHD W=1 lse max", f16, 1, 2, 1, 257, 1, 96)
+                         .bnhd().with_lse().gqa(GqaReduce::kMax).expect(simt_f16));
+  window_scores_case(Ws("window_scores fp32 D=128 simt W=40 lse sum seq{1000,999,40,39}", f32, 4, 2, 1,
+                        1000, 40, 128)
+                         .with_lse().gqa(GqaReduce::kSum).ragged({1000, 999, 40, 39}).expect(simt_f32));
+  // D=64 would take tensor cores, but token stride 68 is not a 16-byte multiple: CUDA cores.
+  window_scores_case(Ws("window_scores fp16 D=64 stride 68 -> simt, q+2B", f16, 1, 2, 1, 300, 32, 64)
+                         .padded(4).offset(2).expect(simt_f16));
+  // Tensor cores, 256-key tiles (D 64/128): N not a tile multiple, W not a multiple of
+  // 16, an empty row; SM count 1/2/132 gives 3/2/1 tiles per chunk (last chunk past N).
+  window_scores_case(Ws("window_scores bf16 D=64 mma N=600 W=17 seq{0,555} sum BNHD", bf16, 2, 8, 2, 600,
+                        17, 64)
+                         .bnhd().gqa(GqaReduce::kSum).ragged({0, 555}).sm_counts({1, 2, 132}).shuffle()
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats>")
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs>"));
+  window_scores_case(Ws("window_scores fp16 D=128 mma N=130<tile W=16 lse G=1", f16, 1, 4, 4, 130, 16, 128)
+                         .with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs>"));
+  window_scores_case(Ws("window_scores bf16 D=128 mma W=1 N=257", bf16, 1, 4, 2, 257, 1, 128)
+                         .expect("mma_kernel<__nv_bfloat16, 128, window_scores_impl::Pass::kStats>"));
+  window_scores_case(Ws("window_scores fp16 D=64 mma N=W=10 max", f16, 1, 2, 1, 10, 10, 64)
+                         .gqa(GqaReduce::kMax).expect("mma_kernel<__half, 64, window_scores_impl::Pass::kStats>"));
+  // D=256 (128-key tiles), W=64: a head needs 64 * 580 B (stats) / 64 * 520 B (probs)
+  // of shared memory, 6 of 227 KB: G=7 -> 2 splits of 4 + 3 heads, G=8 -> 4 + 4.
+  window_scores_case(Ws("window_scores fp16 D=256 mma split 4+3 heads G=7 W=64", f16, 1, 7, 1, 200, 64, 256)
+                         .shuffle().expect("mma_kernel<__half, 256, window_scores_impl::Pass::kStats>")
+                         .expect(split));
+  window_scores_case(Ws("window_scores bf16 D=256 mma split G=8 lse max seq{200,37}", bf16, 2, 8, 1, 200,
+                        64, 256)
+                         .with_lse().gqa(GqaReduce::kMax).ragged({200, 37})
+                         .expect("mma_kernel<__nv_bfloat16, 256, window_scores_impl::Pass::kProbs>")
+                         .expect(split));
+}
+
+// ---- pool_scores --------------------------------------------------------------------------
+void pool_case(const char* name, int64_t kernel, PoolMode mode, int64_t window) {
+  const int64_t B = 3, H = 2, N = 1500;  // 1024 positions per CTA: 2 tiles per row
+  Case c(name);
+  Buffer& in = c.add("scores_in", Role::kIn, Elem::kF32, B * H * N);
+  fill_uniform(in, 0.f, 1.f, 97);
+  Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, B);
+  set_ints(lens, {1500, 20, 0});
+  Buffer& out = c.add("scores_out", Role::kOut, Elem::kF32, B * H * N);
+  kvprune::PoolScoresParams p;
+  p.scores_in = in.as<float>();
+  p.scores_out = out.as<float>();
+  p.seq_lens = lens.as<int32_t>();
+  p.batch = B;
+  p.heads = H;
+  p.length = N;
+  p.window = window;
+  p.kernel_size = kernel;
+  p.mode = mode;
+  c.run([&] { return kvprune::pool_scores_cpu(p, kSerial); }, [&] { return emu::pool_scores_cuda(p, nullptr); });
+}
+
+// ---- select_keep ----------------------------------------------------------------------------
+struct Sel {
+  const char* name;
+  int64_t B, H, N, budget, n_sink, window, pool;
+  PoolMode mode;
+  std::vector<int32_t> seq_lens;  // empty: none
+  int levels;                     // quantised scores (ties) when > 0
+  bool shuffled;
+};
+
+void select_case(const Sel& s) {
+  Case c(s.name);
+  Buffer& scores = c.add("scores", Role::kIn, Elem::kF32, s.B * s.H * s.N);
+  fill_uniform(scores, 0.f, 1.f, s.levels);
+  Buffer& idx = c.add("keep_idx", Role::kOut, Elem::kI32, s.B * s.H * s.budget);
+  kvprune::SelectKeepParams p;
+  p.scores = scores.as<float>();
+  p.keep_idx = idx.as<int32_t>();
+  p.batch = s.B;
+  p.heads = s.H;
+  p.length = s.N;
+  p.budget = s.budget;
+  p.n_sink = s.n_sink;
+  p.window = s.window;
+  p.pool_kernel_size = s.pool;
+  p.pool_mode = s.mode;
+  if (!s.seq_lens.empty()) {
+    Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
+    set_ints(lens, s.seq_lens);
+    p.seq_lens = lens.as<int32_t>();
+  }
+  c.run(
+      [&] {
+        Workspace ws(kvprune::select_keep_workspace_bytes_cpu(p, kSerial));
+        return kvprune::select_keep_cpu(p, ws.ptr(), ws.bytes, kSerial);
+      },
+      [&] {
+        Workspace ws(emu::select_keep_workspace_bytes_cuda(p));
+        return emu::select_keep_cuda(p, ws.ptr(), ws.bytes, nullptr);
+      },
+      configs(s.shuffled));
+}
+
+void select_cases() {
+  const PoolMode mx = PoolMode::kMax, avg = PoolMode::kAvg;
+  // > 4096 candidates per row: 3 CTAs per row (9000 - 36 candidates), 2 for the 5000 row.
+  select_case({"select_keep N=9000 3 CTAs/row ties seq{9000,5000}", 2, 2, 9000, 500, 4, 32, 1, mx,
+               {9000, 5000}, 64, true});
+  select_case({"select_keep N=9000 pooled max k=7 ties", 1, 2, 9000, 300, 4, 32, 7, mx, {}, 50, false});
+  select_case({"select_keep N=5000 pooled avg k=7", 1, 2, 5000, 200, 4, 16, 7, avg, {}, 0, false});
+  // Rows at and just above the budget, an empty row, sink = window = 0.
+  select_case({"select_keep N=300 seq{300,65,64,0} sink=window=0", 4, 1, 300, 64, 0, 0, 1, mx,
+               {300, 65, 64, 0}, 16, false});
+  // N <= budget everywhere (no selection): padding only; budget 5000 > 4096 -> 2 CTAs per row.
+  select_case({"select_keep N<=budget budget=5000 seq{4800,0}", 2, 1, 4800, 5000, 4, 32, 7, mx,
+               {4800, 0}, 0, false});
+}
+
+// ---- streaming_keep -------------------------------------------------------------------------
+void streaming_case(const char* name, int64_t budget, int64_t n_sink) {
+  const int64_t B = 3, H = 2, N = 1000;
+  Case c(name);
+  Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, B);
+  set_ints(lens, {1000, static_cast<int32_t>(budget - 1), 0});
+  Buffer& idx = c.add("keep_idx", Role::kOut, Elem::kI32, B * H * budget);
+  kvprune::StreamingKeepParams p;
+  p.seq_lens = lens.as<int32_t>();
+  p.keep_idx = idx.as<int32_t>();
+  p.batch = B;
+  p.heads = H;
+  p.length = N;
+  p.budget = budget;
+  p.n_sink = n_sink;
+  c.run([&] { return kvprune::streaming_keep_cpu(p, kSerial); },
+        [&] { return emu::streaming_keep_cuda(p, nullptr); });
+}
+
+// ---- gather_kv ----------------------------------------------------------------------------------
+struct Gat {
+  Gat(const char* name, DType dtype, int64_t B, int64_t H, int64_t N, int64_t budget, int64_t D)
+      : name(name), dtype(dtype), B(B), H(H), N(N), budget(budget), D(D) {}
+  Gat& in_layout(bool bnhd, int64_t pad = 0) { in_bnhd = bnhd; in_pad = pad; return *this; }
+  Gat& out_layout(bool bnhd, int64_t pad = 0) { out_bnhd = bnhd; out_pad = pad; return *this; }
+  Gat& out_v_offset(size_t bytes) { v_offset = bytes; return *this; }
+  Gat& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
+  Gat& rope(int64_t dim, RopeLayout l, bool given_freq = false) {
+    rotary_dim = dim; layout = l; inv_freq = given_freq; return *this;
+  }
+  const char* name;
+  DType dtype;
+  int64_t B, H, N, budget, D;
+  bool in_bnhd = false, out_bnhd = false;
+  int64_t in_pad = 0, out_pad = 0;
+  size_t v_offset = 0;
+  int64_t rotary_dim = 0;
+  RopeLayout layout = RopeLayout::kNeox;
+  bool inv_freq = false;
+  std::vector<std::string> kernels;  // must be launched
+};
+
+// Kept positions: ascending, distinct, -1 padded; row 0 keeps min(budget, N), the
+// last row nothing, the others a random count.
+std::vector<int32_t> random_keep(int64_t rows, int64_t N, int64_t budget) {
+  std::vector<int32_t> idx(rows * budget, -1);
+  std::vector<int32_t> all(N);
+  for (int64_t j = 0; j < N; ++j) all[j] = static_cast<int32_t>(j);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t m = std::min(budget, N);
+    if (r == rows - 1 && rows > 1) m = 0;
+    else if (r > 0) m = std::uniform_int_distribution<int64_t>(0, m)(rng());
+    std::shuffle(all.begin(), all.end(), rng());
+    std::sort(all.begin(), all.begin() + m);
+    std::copy(all.begin(), all.begin() + m, idx.begin() + r * budget);
+  }
+  return idx;
+}
+
+double rope_tol(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : dtype == DType::kFloat16 ? 1e-3 : 8e-3; }
+
+void gather_case(const Gat& s) {
+  Case c(s.name);
+  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
+  if (s.rotary_dim > 0) c.expect_kernel("rope_rows_kernel");
+  const Elem e = elem_of(s.dtype);
+  const Tokens it = layout(s.in_bnhd, s.B, s.H, s.N, s.D, s.in_pad);
+  const Tokens ot = layout(s.out_bnhd, s.B, s.H, s.budget, s.D, s.out_pad);
+  Buffer& k = c.add("k", Role::kIn, e, it.span);
+  Buffer& v = c.add("v", Role::kIn, e, it.span);
+  fill_normal(k);
+  fill_normal(v);
+  Buffer& idx = c.add("keep_idx", Role::kIn, Elem::kI32, s.B * s.H * s.budget);
+  set_ints(idx, random_keep(s.B * s.H, s.N, s.budget));
+  const Check k_check = s.rotary_dim > 0 ? within(rope_tol(s.dtype)) : exact();
+  Buffer& out_k = c.add("out_k", Role::kOut, e, ot.span, k_check);
+  Buffer& out_v = c.add("out_v", Role::kOut, e, ot.span, exact(), s.v_offset);
+  kvprune::GatherKvParams p;
+  p.k = ctok(k, it);
+  p.v = ctok(v, it);
+  p.keep_idx = idx.as<int32_t>();
+  p.out_k = mtok(out_k, ot);
+  p.out_v = mtok(out_v, ot);
+  p.dtype = s.dtype;
+  p.batch = s.B;
+  p.heads = s.H;
+  p.length = s.N;
+  p.budget = s.budget;
+  p.head_dim = s.D;
+  p.rope.rotary_dim = s.rotary_dim;
+  p.rope.layout = s.layout;
+  if (s.inv_freq) {  // scaled frequencies, as rope scaling would give
+    Buffer& f = c.add("inv_freq", Role::kIn, Elem::kF32, s.rotary_dim / 2);
+    for (int64_t i = 0; i < s.rotary_dim / 2; ++i)
+      f.as<float>()[i] = 0.5f * static_cast<float>(std::pow(10000.0, -2.0 * i / s.rotary_dim));
+    p.rope.inv_freq = f.as<float>();
+  }
+  c.run([&] { return kvprune::gather_kv_cpu(p, kSerial); }, [&] { return emu::gather_kv_cuda(p, nullptr); });
+}
+
+void gather_cases() {
+  const DType f32 = DType::kFloat32, f16 = DType::kFloat16, bf16 = DType::kBFloat16;
+  const char* v16 = "gather_kv_kernel<uint4>";
+  const char* v8 = "gather_kv_kernel<uint2>";
+  const char* v4 = "gather_kv_kernel<unsigned int>";
+  const char* v2 = "gather_kv_kernel<short unsigned int>";
+  // Vector width = widest of 16/8/4/2 bytes dividing the row bytes, pointers, byte strides.
+  gather_case(Gat("gather fp16 D=128 16B vectors budget=300 (19 CTAs/row)", f16, 2, 2, 500, 300, 128)
+                  .expect(v16));
+  gather_case(Gat("gather fp32 D=6 8B vectors BNHD in", f32, 2, 3, 100, 40, 6).in_layout(true).expect(v8));
+  gather_case(Gat("gather bf16 D=66 4B vectors padded in, BNHD out", bf16, 2, 2, 90, 33, 66)
+                  .in_layout(false, 2).out_layout(true).expect(v4));
+  gather_case(Gat("gather fp16 D=5 2B vectors", f16, 1, 2, 50, 20, 5).expect(v2));
+  gather_case(Gat("gather fp16 D=128 2B vectors (out_v pointer +2B)", f16, 1, 2, 64, 24, 128)
+                  .out_v_offset(2).expect(v2));
+  gather_case(Gat("gather fp32 D=1024 256 vectors/row BNHD out padded", f32, 1, 2, 40, 12, 1024)
+                  .out_layout(true, 4).expect(v16));
+  // RoPE fused into the gather: K re-rotated from keep_idx[t] to t.
+  gather_case(Gat("gather+rope neox full fp16 D=128", f16, 1, 2, 300, 100, 128).rope(128, RopeLayout::kNeox));
+  gather_case(Gat("gather+rope gptj partial 32/64 bf16 BNHD", bf16, 2, 2, 200, 64, 64)
+                  .in_layout(true).out_layout(true)
+                  .rope(32, RopeLayout::kGptj));
+  // 40 pairs: lanes loop past 32.
+  gather_case(Gat("gather+rope neox partial 80/256 fp32 inv_freq", f32, 1, 1, 100, 30, 256)
+                  .rope(80, RopeLayout::kNeox, true));
+  gather_case(Gat("gather+rope gptj full fp16 D=20 8B vectors", f16, 1, 3, 60, 20, 20)
+                  .rope(20, RopeLayout::kGptj).expect(v8));
+}
+
+// ---- snapkv (window_scores -> select_keep -> gather_kv in one call) ---------------------------
+// Reference: the emulated window scores (checked against the CPU above), then the CPU
+// select and gather on those exact scores, so indices and K/V compare exactly.
+void snapkv_case(const Ws& s, int64_t budget, int64_t pool, PoolMode mode) {
+  Case c(s.name);
+  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
+  const Elem e = elem_of(s.dtype);
+  const Tokens qt = layout(s.bnhd_view, s.B, s.Hq, s.W, s.D);
+  const Tokens kt = layout(s.bnhd_view, s.B, s.Hkv, s.N, s.D);
+  const Tokens ot = bhnd(s.B, s.Hkv, budget, s.D);
+  Buffer& q = c.add("q", Role::kIn, e, qt.span);
+  Buffer& k = c.add("k", Role::kIn, e, kt.span);
+  Buffer& v = c.add("v", Role::kIn, e, kt.span);
+  fill_normal(q);
+  fill_normal(k);
+  fill_normal(v);
+  Buffer& idx = c.add("keep_idx", Role::kOut, Elem::kI32, s.B * s.Hkv * budget);
+  Buffer& out_k = c.add("out_k", Role::kOut, e, ot.span);
+  Buffer& out_v = c.add("out_v", Role::kOut, e, ot.span);
+  kvprune::SnapKvParams p;
+  auto& sc = p.scores;
+  sc.q = ctok(q, qt);
+  sc.k = ctok(k, kt);
+  sc.dtype = s.dtype;
+  sc.batch = s.B;
+  sc.q_heads = s.Hq;
+  sc.kv_heads = s.Hkv;
+  sc.length = s.N;
+  sc.window = s.W;
+  sc.head_dim = s.D;
+  sc.scale = 1.f / std::sqrt(static_cast<float>(s.D));
+  sc.reduce = s.reduce;
+  if (!s.seq_lens.empty()) {
+    Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
+    set_ints(lens, s.seq_lens);
+    sc.seq_lens = lens.as<int32_t>();
+  }
+  if (s.lse) {
+    Buffer& lse = c.add("lse", Role::kIn, Elem::kF32, s.B * s.Hq * s.W);
+    fill_lse(lse, q, qt, k, kt, s, sc.scale);
+    sc.lse = lse.as<float>();
+  }
+  auto& se = p.select;
+  se.seq_lens = sc.seq_lens;
+  se.keep_idx = idx.as<int32_t>();
+  se.batch = s.B;
+  se.heads = s.Hkv;
+  se.length = s.N;
+  se.budget = budget;
+  se.n_sink = 4;
+  se.window = s.W;
+  se.pool_kernel_size = pool;
+  se.pool_mode = mode;
+  auto& ga = p.gather;
+  ga.k = sc.k;
+  ga.v = ctok(v, kt);
+  ga.keep_idx = se.keep_idx;
+  ga.out_k = mtok(out_k, ot);
+  ga.out_v = mtok(out_v, ot);
+  ga.dtype = s.dtype;
+  ga.batch = s.B;
+  ga.heads = s.Hkv;
+  ga.length = s.N;
+  ga.budget = budget;
+  ga.head_dim = s.D;
+  c.run(
+      [&] {
+        ExactBuffer scores(static_cast<size_t>(s.B * s.Hkv * s.N) * sizeof(float));
+        kvprune::WindowScoresParams wp = sc;
+        wp.scores = reinterpret_cast<float*>(scores.data());
+        Workspace ws(emu::window_scores_workspace_bytes_cuda(wp));
+        if (auto st = emu::window_scores_cuda(wp, ws.ptr(), ws.bytes, nullptr); st != Status::kOk) return st;
+        kvprune::SelectKeepParams sp = se;
+        sp.scores = wp.scores;
+        Workspace ws2(kvprune::select_keep_workspace_bytes_cpu(sp, kSerial));
+        if (auto st = kvprune::select_keep_cpu(sp, ws2.ptr(), ws2.bytes, kSerial); st != Status::kOk) return st;
+        return kvprune::gather_kv_cpu(ga, kSerial);
+      },
+      [&] {
+        Workspace ws(emu::snapkv_workspace_bytes_cuda(p));
+        return emu::snapkv_cuda(p, ws.ptr(), ws.bytes, nullptr);
+      },
+      configs(s.shuffled, s.sms));
+}
+
+}  // namespace
+
+void prefill_cases() {
+  window_scores_cases();
+  pool_case("pool_scores max k=7 W=32 seq{1500,20,0}", 7, PoolMode::kMax, 32);
+  pool_case("pool_scores avg k=7 W=32 seq{1500,20,0}", 7, PoolMode::kAvg, 32);
+  pool_case("pool_scores max k=1 W=32", 1, PoolMode::kMax, 32);
+  pool_case("pool_scores avg k=1 W=0", 1, PoolMode::kAvg, 0);
+  pool_case("pool_scores avg k=3 W=1500 (no prefix)", 3, PoolMode::kAvg, 1500);
+  select_cases();
+  streaming_case("streaming_keep budget=300 (2 CTAs/row) seq{1000,299,0}", 300, 4);
+  streaming_case("streaming_keep budget=17 sink=0", 17, 0);
+  gather_cases();
+  snapkv_case(Ws("snapkv fp16 D=64 mma N=700 W=16 seq{700,90} pool max 7", DType::kFloat16, 2, 4, 2, 700, 16,
+                 64)
+                  .ragged({700, 90}).shuffle().expect("mma_kernel<__half, 64").expect("scatter_keep")
+                  .expect("gather_kv_kernel<uint4>"),
+              128, 7, PoolMode::kMax);
+  snapkv_case(Ws("snapkv fp32 D=20 simt BNHD lse N=300 W=8 pool avg 7", DType::kFloat32, 1, 2, 1, 300, 8, 20)
+                  .bnhd().with_lse().expect("simt_kernel<float"),
+              50, 7, PoolMode::kAvg);
+}
+
+}  // namespace emu_test
