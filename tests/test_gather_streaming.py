@@ -9,7 +9,8 @@ import kvprune_cuda as kp
 from kvprune_cuda import reference as ref
 
 from helpers import (
-    DTYPES, LAYOUTS, assert_gathered, dtype_id, poison_beyond, randn_tokens, seq_lens_tensor,
+    DTYPES, LAYOUTS, assert_gathered, dtype_id, on_cuda_path, poison_beyond, randn_tokens,
+    seq_lens_tensor,
 )
 
 
@@ -78,10 +79,16 @@ def test_gather_k_and_v_in_different_layouts(device, gen):
     assert torch.equal(out_k.cpu(), exp_k) and torch.equal(out_v.cpu(), exp_v)
 
 
-def test_gather_out_of_range_indices_give_zero_rows(device, gen):
+def test_gather_out_of_range_indices(device, gen):
+    """CPU rejects kept indices outside [-1, N), naming idx; the CUDA kernels cannot
+    check without a host sync and write a zero row for every index outside [0, N)."""
     k, v = make_kv(1, 2, 16, 8, torch.float32, device, "contig", gen)
     idx = torch.tensor([[[-1, 0, 15, 16, -7, 1 << 30, 3, 3]]], dtype=torch.int32).expand(1, 2, 8)
     idx = idx.contiguous().to(device)
+    if not on_cuda_path(device):
+        with pytest.raises(IndexError, match=r"idx holds 16 at \[0, 0, 3\]"):
+            kp.gather_kv(k, v, idx)
+        idx = idx.clamp(-1, 15)  # in range; -1 (padding) still gives a zero row
     out_k, out_v = kp.gather_kv(k, v, idx)
     exp_k, exp_v = ref.gather_kv(k, v, idx)
     assert torch.equal(out_k.cpu(), exp_k) and torch.equal(out_v.cpu(), exp_v)

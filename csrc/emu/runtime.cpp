@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -182,7 +183,6 @@ class BlockRun {
     threads_.resize(size_);
     for (int i = 0; i < size_; ++i) threads_[i] = pool_.threads[i].get();
     warps_.resize((size_ + kWarpSize - 1) / kWarpSize);
-    order_.resize(size_);
   }
 
   // Runs one block; false (and *error set) when it broke a rule.
@@ -265,7 +265,10 @@ class BlockRun {
     if (p->arrived == mask) {
       complete(warp, *p);
       for (int l = 0; l < kWarpSize; ++l) {
-        if ((mask >> l & 1u) && l != lane) thread_of(warp, l)->state = ThreadState::kRunnable;
+        if ((mask >> l & 1u) && l != lane) {
+          thread_of(warp, l)->state = ThreadState::kRunnable;
+          released_.push_back(warp * kWarpSize + l);
+        }
       }
       pending.erase(pending.begin() + (p - pending.data()));
     } else {
@@ -341,6 +344,7 @@ class BlockRun {
   }
 
   void make_order(uint64_t phase) {
+    order_.resize(size_);
     for (int i = 0; i < size_; ++i) order_[i] = i;
     switch (launch_.options.schedule) {
       case Schedule::kForward: break;
@@ -353,33 +357,40 @@ class BlockRun {
         break;
       }
     }
+    rank_.resize(size_);
+    for (int i = 0; i < size_; ++i) rank_[order_[i]] = i;
   }
 
+  // Between two barriers the block's threads start in the phase's order; a thread
+  // runs until it blocks, and the lanes that a collective it completed released run
+  // next (in the phase's order), so a warp runs ahead as a unit, as on a GPU, and
+  // races between warps (and between lanes) show as schedule-dependent results.
   bool schedule() {
     uint64_t phase = 0;
     make_order(phase);
+    std::deque<int> queue(order_.begin(), order_.end());
     for (;;) {
-      bool ran = false;
-      for (int i : order_) {
-        EmuThread* t = threads_[i];
-        if (t->state != ThreadState::kRunnable) continue;
+      while (!queue.empty()) {
+        EmuThread* t = threads_[queue.front()];
+        queue.pop_front();
+        released_.clear();
         t_thread = t;
         t->fiber.resume();
         t_thread = nullptr;
-        ran = true;
         if (failed_) return false;
+        std::sort(released_.begin(), released_.end(),
+                  [this](int a, int b) { return rank_[a] > rank_[b]; });
+        for (int i : released_) queue.push_front(i);
       }
       if (exited_ == size_) return true;
-      if (at_barrier_ == size_) {  // the barrier opens
-        for (EmuThread* t : threads_) t->state = ThreadState::kRunnable;
-        at_barrier_ = 0;
-        make_order(++phase);
-        continue;
-      }
-      if (!ran) {
+      if (at_barrier_ != size_) {
         failure_ = describe_deadlock();
         return false;
       }
+      for (EmuThread* t : threads_) t->state = ThreadState::kRunnable;  // the barrier opens
+      at_barrier_ = 0;
+      make_order(++phase);
+      queue.assign(order_.begin(), order_.end());
     }
   }
 
@@ -436,7 +447,9 @@ class BlockRun {
   int size_ = 0;
   std::vector<EmuThread*> threads_;
   std::vector<std::vector<PendingCollective>> warps_;
-  std::vector<int> order_;
+  std::vector<int> order_;     // the phase's thread order
+  std::vector<int> rank_;      // position of each thread in order_
+  std::vector<int> released_;  // threads the running thread's collective released
   BlockContext context_{};
   uint64_t linear_block_ = 0;
   int at_barrier_ = 0;
