@@ -67,6 +67,11 @@ inline Check exact() { return {}; }
 inline Check within(double tol, int64_t row = 0) { return {Check::kTolerance, tol, row}; }
 // The GPU tolerances of window_scores and decode_scores.
 inline double score_tol(DType dtype) { return dtype == DType::kFloat32 ? 1e-4 : 2e-3; }
+// RoPE: CPU and CUDA derive the frequencies differently (pow vs exp2), so cos/sin and
+// the rotated values may differ by an ulp of the element type.
+inline double rope_tol(DType dtype) {
+  return dtype == DType::kFloat32 ? 1e-5 : dtype == DType::kFloat16 ? 1e-3 : 8e-3;
+}
 
 struct Buffer {
   std::string name;

@@ -50,6 +50,9 @@ struct Ws {
 void fill_lse(Buffer& lse, const Buffer& q, const Tokens& qt, const Buffer& k, const Tokens& kt,
               const Ws& s, float scale) {
   const int64_t G = s.Hq / s.Hkv;
+  std::vector<double> qv(q.count), kv(k.count);
+  for (int64_t i = 0; i < q.count; ++i) qv[i] = q.value(i);
+  for (int64_t i = 0; i < k.count; ++i) kv[i] = k.value(i);
   for (int64_t b = 0; b < s.B; ++b) {
     const int64_t n = s.seq_lens.empty() ? s.N : s.seq_lens[b];
     for (int64_t h = 0; h < s.Hq; ++h)
@@ -60,8 +63,7 @@ void fill_lse(Buffer& lse, const Buffer& q, const Tokens& qt, const Buffer& k, c
         for (int64_t j = 0; j <= pos; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < s.D; ++d)
-            dot += q.value(b * qt.bs + h * qt.hs + i * qt.ts + d) *
-                   k.value(b * kt.bs + (h / G) * kt.hs + j * kt.ts + d);
+            dot += qv[b * qt.bs + h * qt.hs + i * qt.ts + d] * kv[b * kt.bs + (h / G) * kt.hs + j * kt.ts + d];
           logits.push_back(dot * scale);
           m = std::max(m, dot * scale);
         }
@@ -134,10 +136,11 @@ void window_scores_cases() {
   window_scores_case(Ws("window_scores fp16 D=64 stride 68 -> simt, q+2B", f16, 1, 2, 1, 300, 32, 64)
                          .padded(4).offset(2).expect(simt_f16));
   // Tensor cores, 256-key tiles (D 64/128): N not a tile multiple, W not a multiple of
-  // 16, an empty row; SM count 1/2/132 gives 3/2/1 tiles per chunk (last chunk past N).
-  window_scores_case(Ws("window_scores bf16 D=64 mma N=600 W=17 seq{0,555} sum BNHD", bf16, 2, 8, 2, 600,
+  // 16, an empty row, chunks past a row's end; SM count 1/2/132 gives 3/2/1 tiles per
+  // chunk (the last chunk reaches past N).
+  window_scores_case(Ws("window_scores bf16 D=64 mma N=600 W=17 seq{0,300,555} sum BNHD", bf16, 3, 8, 2, 600,
                         17, 64)
-                         .bnhd().gqa(GqaReduce::kSum).ragged({0, 555}).sm_counts({1, 2, 132}).shuffle()
+                         .bnhd().gqa(GqaReduce::kSum).ragged({0, 300, 555}).sm_counts({1, 2, 132}).shuffle()
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats>")
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs>"));
   window_scores_case(Ws("window_scores fp16 D=128 mma N=130<tile W=16 lse G=1", f16, 1, 4, 4, 130, 16, 128)
@@ -146,9 +149,15 @@ void window_scores_cases() {
                          .expect("mma_kernel<__nv_bfloat16, 128, window_scores_impl::Pass::kStats>"));
   window_scores_case(Ws("window_scores fp16 D=64 mma N=W=10 max", f16, 1, 2, 1, 10, 10, 64)
                          .gqa(GqaReduce::kMax).expect("mma_kernel<__half, 64, window_scores_impl::Pass::kStats>"));
+  // More window queries than keys: the first queries have negative positions.
+  window_scores_case(Ws("window_scores bf16 D=128 mma W=20 > N=12", bf16, 1, 2, 1, 12, 20, 128)
+                         .expect("mma_kernel<__nv_bfloat16, 128"));
+  window_scores_case(Ws("window_scores fp32 D=32 simt W=20 > N=12 seq{12,5}", f32, 2, 2, 1, 12, 20, 32)
+                         .ragged({12, 5}).expect(simt_f32));
   // D=256 (128-key tiles), W=64: a head needs 64 * 580 B (stats) / 64 * 520 B (probs)
   // of shared memory, 6 of 227 KB: G=7 -> 2 splits of 4 + 3 heads, G=8 -> 4 + 4.
-  window_scores_case(Ws("window_scores fp16 D=256 mma split 4+3 heads G=7 W=64", f16, 1, 7, 1, 200, 64, 256)
+  window_scores_case(Ws("window_scores fp16 D=256 mma split 4+3 heads G=7 Hkv=2 W=64", f16, 1, 14, 2, 200, 64,
+                        256)
                          .shuffle().expect("mma_kernel<__half, 256, window_scores_impl::Pass::kStats>")
                          .expect(split));
   window_scores_case(Ws("window_scores bf16 D=256 mma split G=8 lse max seq{200,37}", bf16, 2, 8, 1, 200,
@@ -160,12 +169,12 @@ void window_scores_cases() {
 
 // ---- pool_scores --------------------------------------------------------------------------
 void pool_case(const char* name, int64_t kernel, PoolMode mode, int64_t window) {
-  const int64_t B = 3, H = 2, N = 1500;  // 1024 positions per CTA: 2 tiles per row
+  const int64_t B = 4, H = 2, N = 1500;  // 1024 positions per CTA: 2 tiles per row
   Case c(name);
   Buffer& in = c.add("scores_in", Role::kIn, Elem::kF32, B * H * N);
   fill_uniform(in, 0.f, 1.f, 97);
   Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, B);
-  set_ints(lens, {1500, 20, 0});
+  set_ints(lens, {1500, 20, 0, 35});  // 35 - 32: a prefix shorter than the kernel
   Buffer& out = c.add("scores_out", Role::kOut, Elem::kF32, B * H * N);
   kvprune::PoolScoresParams p;
   p.scores_in = in.as<float>();
@@ -186,14 +195,15 @@ struct Sel {
   int64_t B, H, N, budget, n_sink, window, pool;
   PoolMode mode;
   std::vector<int32_t> seq_lens;  // empty: none
-  int levels;                     // quantised scores (ties) when > 0
+  int levels;                     // quantised scores (ties) when > 0; -1: all equal
   bool shuffled;
 };
 
 void select_case(const Sel& s) {
   Case c(s.name);
   Buffer& scores = c.add("scores", Role::kIn, Elem::kF32, s.B * s.H * s.N);
-  fill_uniform(scores, 0.f, 1.f, s.levels);
+  if (s.levels < 0) std::fill_n(scores.as<float>(), scores.count, 0.375f);
+  else fill_uniform(scores, 0.f, 1.f, s.levels);
   Buffer& idx = c.add("keep_idx", Role::kOut, Elem::kI32, s.B * s.H * s.budget);
   kvprune::SelectKeepParams p;
   p.scores = scores.as<float>();
@@ -233,6 +243,9 @@ void select_cases() {
   // Rows at and just above the budget, an empty row, sink = window = 0.
   select_case({"select_keep N=300 seq{300,65,64,0} sink=window=0", 4, 1, 300, 64, 0, 0, 1, mx,
                {300, 65, 64, 0}, 16, false});
+  // budget = n_sink + window: nothing to pick. All scores equal: ties across 3 CTAs.
+  select_case({"select_keep N=1000 budget=sink+window", 1, 2, 1000, 36, 4, 32, 1, mx, {}, 8, false});
+  select_case({"select_keep N=9000 all scores equal", 1, 1, 9000, 700, 4, 32, 1, mx, {}, -1, true});
   // N <= budget everywhere (no selection): padding only; budget 5000 > 4096 -> 2 CTAs per row.
   select_case({"select_keep N<=budget budget=5000 seq{4800,0}", 2, 1, 4800, 5000, 4, 32, 7, mx,
                {4800, 0}, 0, false});
@@ -296,8 +309,6 @@ std::vector<int32_t> random_keep(int64_t rows, int64_t N, int64_t budget) {
   }
   return idx;
 }
-
-double rope_tol(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : dtype == DType::kFloat16 ? 1e-3 : 8e-3; }
 
 void gather_case(const Gat& s) {
   Case c(s.name);
@@ -456,8 +467,8 @@ void snapkv_case(const Ws& s, int64_t budget, int64_t pool, PoolMode mode) {
 
 void prefill_cases() {
   window_scores_cases();
-  pool_case("pool_scores max k=7 W=32 seq{1500,20,0}", 7, PoolMode::kMax, 32);
-  pool_case("pool_scores avg k=7 W=32 seq{1500,20,0}", 7, PoolMode::kAvg, 32);
+  pool_case("pool_scores max k=7 W=32 seq{1500,20,0,35}", 7, PoolMode::kMax, 32);
+  pool_case("pool_scores avg k=7 W=32 seq{1500,20,0,35}", 7, PoolMode::kAvg, 32);
   pool_case("pool_scores max k=1 W=32", 1, PoolMode::kMax, 32);
   pool_case("pool_scores avg k=1 W=0", 1, PoolMode::kAvg, 0);
   pool_case("pool_scores avg k=3 W=1500 (no prefix)", 3, PoolMode::kAvg, 1500);
