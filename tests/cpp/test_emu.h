@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -45,10 +46,17 @@ class ExactBuffer {
   size_t bytes_, pad_;
 };
 
+// The byte a new Workspace is filled with; Case::run changes it between calls so
+// that reading workspace bytes no kernel wrote shows as a difference.
+extern unsigned char g_workspace_fill;
+
 // A workspace of exactly `bytes` bytes; null when bytes == 0.
 struct Workspace {
   explicit Workspace(size_t bytes) : bytes(bytes) {
-    if (bytes > 0) buffer = std::make_unique<ExactBuffer>(bytes);
+    if (bytes > 0) {
+      buffer = std::make_unique<ExactBuffer>(bytes);
+      std::memset(buffer->data(), g_workspace_fill, bytes);
+    }
   }
   void* ptr() const { return buffer ? buffer->data() : nullptr; }
   size_t bytes;
@@ -67,11 +75,7 @@ inline Check exact() { return {}; }
 inline Check within(double tol, int64_t row = 0) { return {Check::kTolerance, tol, row}; }
 // The GPU tolerances of window_scores and decode_scores.
 inline double score_tol(DType dtype) { return dtype == DType::kFloat32 ? 1e-4 : 2e-3; }
-// RoPE: CPU and CUDA derive the frequencies differently (pow vs exp2), so cos/sin and
-// the rotated values may differ by an ulp of the element type.
-inline double rope_tol(DType dtype) {
-  return dtype == DType::kFloat32 ? 1e-5 : dtype == DType::kFloat16 ? 1e-3 : 8e-3;
-}
+
 
 struct Buffer {
   std::string name;
@@ -168,6 +172,7 @@ class Case {
 // ---- registry --------------------------------------------------------------------------
 void harness_checks();  // test_emu.cpp
 void prefill_cases();   // test_emu_prefill.cpp
+void gather_cases();    // test_emu_gather.cpp
 void decode_cases();   // test_emu_decode.cpp
 
 }  // namespace emu_test

@@ -1,5 +1,5 @@
 // test_emu cases of the prefill ops: window_scores, pool_scores, select_keep,
-// streaming_keep, gather_kv (with fused RoPE) and snapkv. The comments name the
+// streaming_keep and snapkv (gather_kv: test_emu_gather.cpp). The comments name the
 // launch-heuristic edge each case reaches (csrc/cuda/*.cu).
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,6 @@ namespace {
 
 using kvprune::GqaReduce;
 using kvprune::PoolMode;
-using kvprune::RopeLayout;
 namespace emu = kvprune::emu;
 
 const kvprune::CpuExecutor kSerial{};
@@ -270,114 +269,6 @@ void streaming_case(const char* name, int64_t budget, int64_t n_sink) {
         [&] { return emu::streaming_keep_cuda(p, nullptr); });
 }
 
-// ---- gather_kv ----------------------------------------------------------------------------------
-struct Gat {
-  Gat(const char* name, DType dtype, int64_t B, int64_t H, int64_t N, int64_t budget, int64_t D)
-      : name(name), dtype(dtype), B(B), H(H), N(N), budget(budget), D(D) {}
-  Gat& in_layout(bool bnhd, int64_t pad = 0) { in_bnhd = bnhd; in_pad = pad; return *this; }
-  Gat& out_layout(bool bnhd, int64_t pad = 0) { out_bnhd = bnhd; out_pad = pad; return *this; }
-  Gat& out_v_offset(size_t bytes) { v_offset = bytes; return *this; }
-  Gat& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
-  Gat& rope(int64_t dim, RopeLayout l, bool given_freq = false) {
-    rotary_dim = dim; layout = l; inv_freq = given_freq; return *this;
-  }
-  const char* name;
-  DType dtype;
-  int64_t B, H, N, budget, D;
-  bool in_bnhd = false, out_bnhd = false;
-  int64_t in_pad = 0, out_pad = 0;
-  size_t v_offset = 0;
-  int64_t rotary_dim = 0;
-  RopeLayout layout = RopeLayout::kNeox;
-  bool inv_freq = false;
-  std::vector<std::string> kernels;  // must be launched
-};
-
-// Kept positions: ascending, distinct, -1 padded; row 0 keeps min(budget, N), the
-// last row nothing, the others a random count.
-std::vector<int32_t> random_keep(int64_t rows, int64_t N, int64_t budget) {
-  std::vector<int32_t> idx(rows * budget, -1);
-  std::vector<int32_t> all(N);
-  for (int64_t j = 0; j < N; ++j) all[j] = static_cast<int32_t>(j);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t m = std::min(budget, N);
-    if (r == rows - 1 && rows > 1) m = 0;
-    else if (r > 0) m = std::uniform_int_distribution<int64_t>(0, m)(rng());
-    std::shuffle(all.begin(), all.end(), rng());
-    std::sort(all.begin(), all.begin() + m);
-    std::copy(all.begin(), all.begin() + m, idx.begin() + r * budget);
-  }
-  return idx;
-}
-
-void gather_case(const Gat& s) {
-  Case c(s.name);
-  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
-  if (s.rotary_dim > 0) c.expect_kernel("rope_rows_kernel");
-  const Elem e = elem_of(s.dtype);
-  const Tokens it = layout(s.in_bnhd, s.B, s.H, s.N, s.D, s.in_pad);
-  const Tokens ot = layout(s.out_bnhd, s.B, s.H, s.budget, s.D, s.out_pad);
-  Buffer& k = c.add("k", Role::kIn, e, it.span);
-  Buffer& v = c.add("v", Role::kIn, e, it.span);
-  fill_normal(k);
-  fill_normal(v);
-  Buffer& idx = c.add("keep_idx", Role::kIn, Elem::kI32, s.B * s.H * s.budget);
-  set_ints(idx, random_keep(s.B * s.H, s.N, s.budget));
-  const Check k_check = s.rotary_dim > 0 ? within(rope_tol(s.dtype)) : exact();
-  Buffer& out_k = c.add("out_k", Role::kOut, e, ot.span, k_check);
-  Buffer& out_v = c.add("out_v", Role::kOut, e, ot.span, exact(), s.v_offset);
-  kvprune::GatherKvParams p;
-  p.k = ctok(k, it);
-  p.v = ctok(v, it);
-  p.keep_idx = idx.as<int32_t>();
-  p.out_k = mtok(out_k, ot);
-  p.out_v = mtok(out_v, ot);
-  p.dtype = s.dtype;
-  p.batch = s.B;
-  p.heads = s.H;
-  p.length = s.N;
-  p.budget = s.budget;
-  p.head_dim = s.D;
-  p.rope.rotary_dim = s.rotary_dim;
-  p.rope.layout = s.layout;
-  if (s.inv_freq) {  // scaled frequencies, as rope scaling would give
-    Buffer& f = c.add("inv_freq", Role::kIn, Elem::kF32, s.rotary_dim / 2);
-    for (int64_t i = 0; i < s.rotary_dim / 2; ++i)
-      f.as<float>()[i] = 0.5f * static_cast<float>(std::pow(10000.0, -2.0 * i / s.rotary_dim));
-    p.rope.inv_freq = f.as<float>();
-  }
-  c.run([&] { return kvprune::gather_kv_cpu(p, kSerial); }, [&] { return emu::gather_kv_cuda(p, nullptr); });
-}
-
-void gather_cases() {
-  const DType f32 = DType::kFloat32, f16 = DType::kFloat16, bf16 = DType::kBFloat16;
-  const char* v16 = "gather_kv_kernel<uint4>";
-  const char* v8 = "gather_kv_kernel<uint2>";
-  const char* v4 = "gather_kv_kernel<unsigned int>";
-  const char* v2 = "gather_kv_kernel<short unsigned int>";
-  // Vector width = widest of 16/8/4/2 bytes dividing the row bytes, pointers, byte strides.
-  gather_case(Gat("gather fp16 D=128 16B vectors budget=300 (19 CTAs/row)", f16, 2, 2, 500, 300, 128)
-                  .expect(v16));
-  gather_case(Gat("gather fp32 D=6 8B vectors BNHD in", f32, 2, 3, 100, 40, 6).in_layout(true).expect(v8));
-  gather_case(Gat("gather bf16 D=66 4B vectors padded in, BNHD out", bf16, 2, 2, 90, 33, 66)
-                  .in_layout(false, 2).out_layout(true).expect(v4));
-  gather_case(Gat("gather fp16 D=5 2B vectors", f16, 1, 2, 50, 20, 5).expect(v2));
-  gather_case(Gat("gather fp16 D=128 2B vectors (out_v pointer +2B)", f16, 1, 2, 64, 24, 128)
-                  .out_v_offset(2).expect(v2));
-  gather_case(Gat("gather fp32 D=1024 256 vectors/row BNHD out padded", f32, 1, 2, 40, 12, 1024)
-                  .out_layout(true, 4).expect(v16));
-  // RoPE fused into the gather: K re-rotated from keep_idx[t] to t.
-  gather_case(Gat("gather+rope neox full fp16 D=128", f16, 1, 2, 300, 100, 128).rope(128, RopeLayout::kNeox));
-  gather_case(Gat("gather+rope gptj partial 32/64 bf16 BNHD", bf16, 2, 2, 200, 64, 64)
-                  .in_layout(true).out_layout(true)
-                  .rope(32, RopeLayout::kGptj));
-  // 40 pairs: lanes loop past 32.
-  gather_case(Gat("gather+rope neox partial 80/256 fp32 inv_freq", f32, 1, 1, 100, 30, 256)
-                  .rope(80, RopeLayout::kNeox, true));
-  gather_case(Gat("gather+rope gptj full fp16 D=20 8B vectors", f16, 1, 3, 60, 20, 20)
-                  .rope(20, RopeLayout::kGptj).expect(v8));
-}
-
 // ---- snapkv (window_scores -> select_keep -> gather_kv in one call) ---------------------------
 // Reference: the emulated window scores (checked against the CPU above), then the CPU
 // select and gather on those exact scores, so indices and K/V compare exactly.
@@ -481,6 +372,10 @@ void prefill_cases() {
                   .ragged({700, 90}).shuffle().expect("mma_kernel<__half, 64").expect("scatter_keep")
                   .expect("gather_kv_kernel<uint4>"),
               128, 7, PoolMode::kMax);
+  // Tensor cores with a head split: the split partials share the chain's workspace.
+  snapkv_case(Ws("snapkv bf16 D=256 mma split G=7 W=64 N=150", DType::kBFloat16, 1, 7, 1, 150, 64, 256)
+                  .expect("window_scores_split_reduce_kernel"),
+              100, 1, PoolMode::kMax);
   snapkv_case(Ws("snapkv fp32 D=20 simt BNHD lse N=300 W=8 pool avg 7", DType::kFloat32, 1, 2, 1, 300, 8, 20)
                   .bnhd().with_lse().expect("simt_kernel<float"),
               50, 7, PoolMode::kAvg);
