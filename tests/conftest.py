@@ -52,17 +52,25 @@ def device(request):
         yield request.param
         return
     single = request.node.path.name in SINGLE_SCHEDULE_FILES
-    before = launch_counts()
     with kp.testing.emulate_cuda(schedules=EMULATED_SCHEDULES[:1] if single else EMULATED_SCHEDULES):
         yield "cpu"
-    after = launch_counts()
-    request.node.emulated_kernels = {k for k, n in after.items() if n > before.get(k, 0)}
 
 
-# ---- which CUDA kernels the passing cuda_emu tests ran --------------------------------
+# ---- which CUDA kernels the passing tests ran under the emulator ------------------------
 # Printed at the end of the run; with KVPRUNE_EMU_KERNEL_TABLE=path also written there
 # as a Markdown table. Kernels of csrc/cuda that no passing test ran are named.
 KERNEL_TESTS: collections.Counter = collections.Counter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = launch_counts()
+    yield
+    after = launch_counts()
+    ran = {k for k, n in after.items() if n > before.get(k, 0)}
+    if ran and getattr(item, "emulated_passed", False):
+        for kernel in ran:
+            KERNEL_TESTS[kernel] += 1
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -71,9 +79,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when == "call":
         item.emulated_passed = report.passed
-    elif report.when == "teardown" and getattr(item, "emulated_passed", False):
-        for kernel in getattr(item, "emulated_kernels", ()):
-            KERNEL_TESTS[kernel] += 1
+    elif report.failed:  # setup or teardown
+        item.emulated_passed = False
 
 
 def kernel_family(name: str) -> str:

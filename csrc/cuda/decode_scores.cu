@@ -235,7 +235,8 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream) {
     simt::launch<partial_kernel<T>>(blocks, kBlock, smem, stream, a);
     if (a.p.h2o_scores != nullptr) simt::launch<scores_kernel>(blocks, kBlock, 0, stream, a);
   }
-  if (a.part_acc != nullptr) simt::launch<output_kernel<T>>(static_cast<unsigned>(rows), kBlock, 0, stream, a);
+  if (a.p.v_cache.data != nullptr)  // with capacity 0 it writes zero rows from no partials
+    simt::launch<output_kernel<T>>(static_cast<unsigned>(rows), kBlock, 0, stream, a);
 }
 
 }  // namespace
@@ -251,7 +252,9 @@ Status decode_scores_cuda(const DecodeScoresParams& p, void* workspace, size_t w
   const Layout L = layout_of(p);
   if (L.rows * p.capacity == 0 && p.v_cache.data == nullptr) return Status::kOk;
   if (p.head_dim > 32 * kMaxPerLane || L.R > kMaxRows) return Status::kUnsupportedHeadDim;
-  if (workspace == nullptr || workspace_bytes < L.total * sizeof(float)) return Status::kWorkspaceTooSmall;
+  // capacity 0 with V needs no workspace (the query returns 0): null is fine then.
+  if (workspace_bytes < L.total * sizeof(float) || (L.total > 0 && workspace == nullptr))
+    return Status::kWorkspaceTooSmall;
   if (L.rows * std::max<int64_t>(L.chunks, 1) > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
   if (L.rows == 0) return Status::kOk;
   float* ws = static_cast<float*>(workspace);
