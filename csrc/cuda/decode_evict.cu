@@ -38,8 +38,8 @@ __device__ __forceinline__ Best better(Best a, Best b) {
 }
 
 __global__ __launch_bounds__(kBlock) void evict_kernel(H2oEvictParams p) {
-  __shared__ Best warp_best[kBlock / 32];
-  __shared__ int32_t chosen[kMaxNum];
+  KVPRUNE_SHARED(Best, warp_best, [kBlock / 32]);
+  KVPRUNE_SHARED(int32_t, chosen, [kMaxNum]);
   const int64_t row = blockIdx.x;
   const int64_t n = cuda_detail::valid_length(p.seq_lens, row / p.heads, INT64_MAX);
   float* scores = p.h2o_scores + row * p.capacity;

@@ -80,7 +80,7 @@ __device__ __forceinline__ float warp_max(float v) {
 template <typename T>
 __global__ __launch_bounds__(kBlock) void partial_kernel(Args a) {
   float* const q_smem = simt::dynamic_shared<float>();  // [R, D] fp32
-  __shared__ float row_m[kMaxRows];
+  KVPRUNE_SHARED(float, row_m, [kMaxRows]);
   const DecodeScoresParams& p = a.p;
   const int64_t row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
   const int64_t b = row / p.kv_heads, g = row % p.kv_heads;
@@ -176,8 +176,8 @@ __device__ __forceinline__ void combine_rows(const Args& a, int64_t row, float* 
 }
 
 __global__ __launch_bounds__(kBlock) void scores_kernel(Args a) {
-  __shared__ float row_m[kMaxRows];
-  __shared__ float row_inv[kMaxRows];
+  KVPRUNE_SHARED(float, row_m, [kMaxRows]);
+  KVPRUNE_SHARED(float, row_inv, [kMaxRows]);
   const DecodeScoresParams& p = a.p;
   const int64_t row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
   const int64_t C = p.capacity;
@@ -204,8 +204,8 @@ __global__ __launch_bounds__(kBlock) void scores_kernel(Args a) {
 
 template <typename T>
 __global__ __launch_bounds__(kBlock) void output_kernel(Args a) {
-  __shared__ float row_m[kMaxRows];
-  __shared__ float row_inv[kMaxRows];
+  KVPRUNE_SHARED(float, row_m, [kMaxRows]);
+  KVPRUNE_SHARED(float, row_inv, [kMaxRows]);
   const float kNegInf = -INFINITY;
   const DecodeScoresParams& p = a.p;
   const int64_t row = blockIdx.x;

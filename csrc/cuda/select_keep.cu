@@ -134,8 +134,8 @@ union SharedStorage {
 // Step 2: histogram of digit `pass` over the chunk's keys that carry the digits
 // chosen by passes [0, pass).
 __global__ __launch_bounds__(kBlock) void radix_histogram_kernel(SelectArgs a, int pass) {
-  __shared__ SharedStorage shared;
-  __shared__ uint32_t block_hist[kRadixBins];
+  KVPRUNE_SHARED(SharedStorage, shared);
+  KVPRUNE_SHARED(uint32_t, block_hist, [kRadixBins]);
   const CtaTask task = cta_task(a);
   if (!task.selects) return;  // uniform per CTA
 
@@ -163,7 +163,7 @@ __global__ __launch_bounds__(kBlock) void radix_histogram_kernel(SelectArgs a, i
 
 // Step 3: per chunk, the number of keys above the threshold and equal to it.
 __global__ __launch_bounds__(kBlock) void chunk_count_kernel(SelectArgs a) {
-  __shared__ SharedStorage shared;
+  KVPRUNE_SHARED(SharedStorage, shared);
   const CtaTask task = cta_task(a);
   if (!task.selects) return;  // uniform per CTA
 
@@ -180,8 +180,8 @@ __global__ __launch_bounds__(kBlock) void chunk_count_kernel(SelectArgs a) {
 
 // Step 4: write the row's kept positions; see the file comment.
 __global__ __launch_bounds__(kBlock) void scatter_keep_kernel(SelectArgs a) {
-  __shared__ SharedStorage shared;
-  __shared__ unsigned long long counts_before_chunk;
+  KVPRUNE_SHARED(SharedStorage, shared);
+  KVPRUNE_SHARED(unsigned long long, counts_before_chunk);
   const CtaTask task = cta_task(a);
   int32_t* out = a.keep_idx + task.row * a.budget;  // [budget]
   const int64_t first = task.chunk * kBlock + threadIdx.x;

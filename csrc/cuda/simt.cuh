@@ -9,6 +9,11 @@
 //
 // Namespaces: files under csrc/cuda open KVPRUNE_CUDA_NAMESPACE_BEGIN instead of
 // `namespace kvprune {`.
+// Static shared memory: KVPRUNE_SHARED(type, name) or KVPRUNE_SHARED(type, name, [n][m])
+// declares `__shared__ type name[n][m];` (KVPRUNE_SHARED_ALIGNED(16, ...) adds
+// __align__(16)). Under the emulator each such variable is a per-block allocation of its
+// exact size, filled with 0xff at every block start and counted against the launch's
+// shared-memory limits; plain `__shared__` does not compile there.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +31,8 @@
 
 #define KVPRUNE_CUDA_NAMESPACE_BEGIN namespace kvprune {
 #define KVPRUNE_CUDA_NAMESPACE_END }
+#define KVPRUNE_SHARED(T, name, ...) __shared__ T name __VA_ARGS__
+#define KVPRUNE_SHARED_ALIGNED(align, T, name, ...) __shared__ __align__(align) T name __VA_ARGS__
 
 KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace simt {
@@ -122,6 +129,10 @@ KVPRUNE_CUDA_NAMESPACE_END
 #define KVPRUNE_CUDA_NAMESPACE_END \
   }                                \
   }
+#define KVPRUNE_SHARED_ALIGNED(align, T, name, ...) \
+  static const char name##_shared_site = 0;         \
+  auto& name = *::kvprune::emu::detail::block_shared<T __VA_ARGS__>(&name##_shared_site, align)
+#define KVPRUNE_SHARED(T, name, ...) KVPRUNE_SHARED_ALIGNED(alignof(T), T, name, __VA_ARGS__)
 
 namespace kvprune::emu::simt {
 
@@ -196,7 +207,7 @@ inline void mma_m16n8k16(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
   uint32_t out[4];
   detail::warp_collective(std::is_same_v<T, __half> ? detail::Collective::kMmaF16
                                                      : detail::Collective::kMmaBf16,
-                          0xffffffffu, 0u, file, line, in, detail::kMaxInWords, out, 4);
+                          0xffffffffu, file, line, in, detail::kMaxInWords, out, 4);
   std::memcpy(acc, out, sizeof acc);
 }
 

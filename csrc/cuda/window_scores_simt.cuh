@@ -33,9 +33,9 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
   constexpr int kTileKeys = SimtShape::kTileKeys;
   constexpr int kRowBlock = SimtShape::kRowBlock;
   constexpr int kDimChunk = SimtShape::kDimChunk;
-  __shared__ float k_chunk[kDimChunk][kTileKeys + 1];                  // [dim][key]
-  __shared__ __align__(16) float q_chunk[kDimChunk][kRowBlock];        // [dim][row]
-  __shared__ float2 warp_states[SimtShape::kWarps][kRowBlock];         // [warp][row] (kStats)
+  KVPRUNE_SHARED(float, k_chunk, [kDimChunk][kTileKeys + 1]);  // [dim][key]
+  KVPRUNE_SHARED_ALIGNED(16, float, q_chunk, [kDimChunk][kRowBlock]);  // [dim][row]
+  KVPRUNE_SHARED(float2, warp_states, [SimtShape::kWarps][kRowBlock]);  // [warp][row] (kStats)
 
   const int tile = blockIdx.x % a.num_chunks;
   const int bh = blockIdx.x / a.num_chunks;  // batch * kv_heads + kv head

@@ -23,11 +23,11 @@
 #include "emu/runtime.h"
 
 // ---- CUDA keywords the host compiler must see differently ---------------------------------
-// Static shared memory: one copy per host thread, and one block runs on a host thread at a
-// time, so every thread of the block (fiber) sees the same variable. __thread also rejects
-// what CUDA rejects for __shared__ (initialisers, types with constructors).
+// Static shared memory is declared with KVPRUNE_SHARED (cuda/simt.cuh): a per-block
+// allocation from the runtime (block_shared). A plain __shared__ would be one variable
+// for every block, never poisoned and outside the limits, so it does not compile here.
 #undef __shared__
-#define __shared__ static __thread
+#define __shared__ __shared___is_not_emulated_declare_static_shared_memory_with_KVPRUNE_SHARED
 #define __launch_bounds__(...)
 #define threadIdx (::kvprune::emu::detail::t_thread->thread_idx)
 #define blockIdx (::kvprune::emu::detail::t_block->block_idx)
@@ -103,8 +103,8 @@ inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32,
   if (width != 32) detail::fail_thread("the emulator models __shfl_xor_sync with width 32 only");
   uint32_t in[3], out[2];
   detail::to_words(value, in);
-  detail::warp_collective(detail::Collective::kShuffleXor, mask, static_cast<uint32_t>(lane_mask),
-                          file, line, in, 2, out, 2);
+  in[2] = static_cast<uint32_t>(lane_mask);
+  detail::warp_collective(detail::Collective::kShuffleXor, mask, file, line, in, 3, out, 2);
   return detail::from_words<T>(out);
 }
 
@@ -115,7 +115,7 @@ inline T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32,
   uint32_t in[3], out[2];
   detail::to_words(value, in);
   in[2] = static_cast<uint32_t>(src_lane);
-  detail::warp_collective(detail::Collective::kShuffleIdx, mask, 0u, file, line, in, 3, out, 2);
+  detail::warp_collective(detail::Collective::kShuffleIdx, mask, file, line, in, 3, out, 2);
   return detail::from_words<T>(out);
 }
 
@@ -124,7 +124,7 @@ inline unsigned __match_any_sync(unsigned mask, T value, const char* file = __bu
                                  int line = __builtin_LINE()) {
   uint32_t in[3], out[1];
   detail::to_words(value, in);
-  detail::warp_collective(detail::Collective::kMatchAny, mask, 0u, file, line, in, 2, out, 1);
+  detail::warp_collective(detail::Collective::kMatchAny, mask, file, line, in, 2, out, 1);
   return out[0];
 }
 

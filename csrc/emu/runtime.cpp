@@ -30,7 +30,8 @@ namespace {
 
 thread_local Options t_options;
 thread_local int t_error_code = cudaSuccess;  // cudaGetLastError
-thread_local std::string t_fault;             // last_error(); while set, launches are skipped
+thread_local std::string t_message;           // last_error()
+thread_local bool t_sticky = false;           // a kernel faulted: skip launches until last_error()
 
 std::string format(const char* fmt, ...) {
   char buffer[1024];
@@ -122,7 +123,6 @@ void mma_m16n8k16(EmuThread* const* lanes, bool bf16) {
 struct PendingCollective {
   Collective kind;
   unsigned mask;
-  uint32_t param;
   const char* file;
   int line;
   unsigned arrived;
@@ -170,6 +170,8 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+size_t allowed_dynamic_smem(const void* kernel_id);  // after cudaFuncSetAttribute, if any
+
 class BlockRun;
 __thread BlockRun* t_run = nullptr;
 
@@ -183,6 +185,7 @@ class BlockRun {
     threads_.resize(size_);
     for (int i = 0; i < size_; ++i) threads_[i] = pool_.threads[i].get();
     warps_.resize((size_ + kWarpSize - 1) / kWarpSize);
+    allowed_dynamic_smem_ = allowed_dynamic_smem(launch.kernel.id);
   }
 
   // Runs one block; false (and *error set) when it broke a rule.
@@ -199,6 +202,7 @@ class BlockRun {
         static_cast<char*>(std::malloc(std::max<size_t>(launch_.dynamic_smem, 1))), &std::free);
     std::memset(smem.get(), 0xff, launch_.dynamic_smem);
     context_.dynamic_smem = launch_.dynamic_smem > 0 ? smem.get() : nullptr;
+    for (const auto& s : static_shared_) std::memset(s.data, 0xff, s.bytes);
     for (int i = 0; i < size_; ++i) {
       EmuThread* t = threads_[i];
       t->linear = i;
@@ -231,7 +235,10 @@ class BlockRun {
     t->fiber.suspend();
   }
 
-  void collective(Collective kind, unsigned mask, uint32_t param, const char* file, int line,
+  // A lane joins the pending collective of the same kind, mask and call site, or opens
+  // one. Lanes of one warp may wait at different collectives at once (divergent code on
+  // sm_70+); only when nothing can run any more does that become an error (a deadlock).
+  void collective(Collective kind, unsigned mask, const char* file, int line,
                   const uint32_t* in, int in_words, uint32_t* out, int out_words) {
     EmuThread* t = t_thread;
     const int warp = t->linear / kWarpSize, lane = t->linear % kWarpSize;
@@ -246,18 +253,13 @@ class BlockRun {
                   collective_name(kind), base_name(file), line, lane_ranges(mask & ~existing).c_str()));
     auto& pending = warps_[warp];
     PendingCollective* p = nullptr;
-    for (auto& candidate : pending)
-      if (candidate.mask & bit) p = &candidate;
-    if (p != nullptr && (p->kind != kind || p->mask != mask || p->param != param ||
-                         p->file != file || p->line != line)) {
-      fail(format("warp %d: lane %d reaches %s (mask 0x%08x) at %s:%d while lanes %s wait at %s "
-                  "(mask 0x%08x) at %s:%d",
-                  warp, lane, collective_name(kind), mask, base_name(file), line,
-                  lane_ranges(p->arrived).c_str(), collective_name(p->kind), p->mask,
-                  base_name(p->file), p->line));
+    for (auto& candidate : pending) {
+      if (candidate.kind == kind && candidate.mask == mask && candidate.file == file &&
+          candidate.line == line && (candidate.arrived & bit) == 0)
+        p = &candidate;
     }
     if (p == nullptr) {
-      pending.push_back({kind, mask, param, file, line, 0u});
+      pending.push_back({kind, mask, file, line, 0u});
       p = &pending.back();
     }
     std::memcpy(t->in, in, sizeof(uint32_t) * in_words);
@@ -278,6 +280,31 @@ class BlockRun {
       t->fiber.suspend();
     }
     std::memcpy(out, t->out, sizeof(uint32_t) * out_words);
+  }
+
+  void* static_shared(const void* site, size_t bytes, size_t align) {
+    for (const auto& s : static_shared_)
+      if (s.site == site) return s.data;
+    static_bytes_ += bytes;
+    // As on an H100: static shared memory <= 48 KB; static + dynamic <= 48 KB, or <= 227 KB
+    // once cudaFuncSetAttribute raised the kernel's dynamic limit.
+    const bool raised = allowed_dynamic_smem_ > kDefaultDynamicSmem;
+    const size_t total_limit = raised ? kMaxDynamicSmemOptin : kDefaultDynamicSmem;
+    if (static_bytes_ > kDefaultDynamicSmem || static_bytes_ + launch_.dynamic_smem > total_limit)
+      fail(format("%zu bytes of static and %zu of dynamic shared memory exceed the limit of %zu "
+                  "bytes per block",
+                  static_bytes_, launch_.dynamic_smem, static_bytes_ > kDefaultDynamicSmem
+                                                           ? kDefaultDynamicSmem : total_limit));
+    void* data = align <= alignof(std::max_align_t) ? std::malloc(bytes)
+                                                    : std::aligned_alloc(align, (bytes + align - 1) / align * align);
+    if (data == nullptr) fail("out of host memory for static shared memory");
+    std::memset(data, 0xff, bytes);  // read before written shows (NaN, -1)
+    static_shared_.push_back({site, data, bytes});
+    return data;
+  }
+
+  ~BlockRun() {
+    for (const auto& s : static_shared_) std::free(s.data);
   }
 
   [[noreturn]] void fail(std::string what) {
@@ -312,8 +339,8 @@ class BlockRun {
       case Collective::kShuffleIdx:
         for (int l = 0; l < kWarpSize; ++l) {
           if (lanes[l] == nullptr) continue;
-          const int src = p.kind == Collective::kShuffleXor ? (l ^ static_cast<int>(p.param)) & 31
-                                                           : static_cast<int>(lanes[l]->in[2] & 31u);
+          const int operand = static_cast<int>(lanes[l]->in[2] & 31u);  // lane mask or source lane
+          const int src = p.kind == Collective::kShuffleXor ? l ^ operand : operand;
           if ((p.mask >> src & 1u) == 0)
             fail(format("warp %d: lane %d of %s at %s:%d reads lane %d, which is not in the mask "
                         "0x%08x",
@@ -451,6 +478,14 @@ class BlockRun {
   std::vector<int> rank_;      // position of each thread in order_
   std::vector<int> released_;  // threads the running thread's collective released
   BlockContext context_{};
+  struct StaticShared {
+    const void* site;  // the declaration's marker
+    void* data;
+    size_t bytes;
+  };
+  std::vector<StaticShared> static_shared_;  // this launch's static shared variables
+  size_t static_bytes_ = 0;
+  size_t allowed_dynamic_smem_ = 0;
   uint64_t linear_block_ = 0;
   int at_barrier_ = 0;
   int exited_ = 0;
@@ -495,19 +530,28 @@ size_t allowed_dynamic_smem(const void* kernel_id) {
   return it == g_max_dynamic_smem.end() ? kDefaultDynamicSmem : static_cast<size_t>(it->second);
 }
 
+int report(int code, std::string what, bool sticky) {
+  t_error_code = code;
+  t_message = std::move(what);
+  t_sticky = t_sticky || sticky;
+  return code;
+}
+
 int config_error(std::string what) {
-  t_error_code = cudaErrorInvalidConfiguration;
-  t_fault = std::move(what);
-  return cudaErrorInvalidConfiguration;
+  return report(cudaErrorInvalidConfiguration, std::move(what), false);
 }
 
 }  // namespace
 
 void syncthreads(const char* file, int line) { t_run->barrier(file, line); }
 
-void warp_collective(Collective kind, unsigned mask, uint32_t param, const char* file, int line,
+void warp_collective(Collective kind, unsigned mask, const char* file, int line,
                      const uint32_t* in, int in_words, uint32_t* out, int out_words) {
-  t_run->collective(kind, mask, param, file, line, in, in_words, out, out_words);
+  t_run->collective(kind, mask, file, line, in, in_words, out, out_words);
+}
+
+void* block_shared_bytes(const void* site, size_t bytes, size_t align) {
+  return t_run->static_shared(site, bytes, align);
 }
 
 void fail_thread(const char* what) {
@@ -516,7 +560,7 @@ void fail_thread(const char* what) {
 
 int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
            void (*body)(void* ctx), void* ctx) {
-  if (!t_fault.empty()) {  // an earlier kernel faulted and nobody has looked yet
+  if (t_sticky) {  // an earlier kernel faulted and nobody has looked yet
     t_error_code = cudaErrorLaunchFailure;
     return cudaErrorLaunchFailure;
   }
@@ -544,30 +588,27 @@ int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
   state.ctx = ctx;
   state.options = t_options;
   const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  // Each worker keeps a fiber (two mappings: stack and guard page) per thread of the
+  // largest block it ran; 8 workers by default stay far below vm.max_map_count.
   int workers = state.options.host_threads > 0
                     ? state.options.host_threads
-                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+                    : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
   workers = static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(workers), blocks));
   std::vector<std::thread> helpers;
   for (int w = 1; w < workers; ++w) helpers.emplace_back([&state] { run_blocks(state); });
   run_blocks(state);
   for (auto& h : helpers) h.join();
-  if (state.failed.load()) {
-    t_error_code = cudaErrorLaunchFailure;
-    t_fault = state.error;
-    return cudaErrorLaunchFailure;
-  }
+  if (state.failed.load()) return report(cudaErrorLaunchFailure, state.error, true);
   return cudaSuccess;
 }
 
 int set_max_dynamic_smem(const void* kernel_id, int bytes) {
-  if (bytes < 0 || static_cast<size_t>(bytes) > kMaxDynamicSmemOptin) {
-    t_error_code = cudaErrorInvalidValue;
-    t_fault = format("kvprune emulator: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d): at "
-                     "most %zu bytes on an H100",
-                     bytes, kMaxDynamicSmemOptin);
-    return cudaErrorInvalidValue;
-  }
+  if (bytes < 0 || static_cast<size_t>(bytes) > kMaxDynamicSmemOptin)
+    return report(cudaErrorInvalidValue,
+                  format("kvprune emulator: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d): "
+                         "at most %zu bytes on an H100",
+                         bytes, kMaxDynamicSmemOptin),
+                  false);
   const std::lock_guard<std::mutex> lock(g_attr_mutex);
   g_max_dynamic_smem[kernel_id] = bytes;
   return cudaSuccess;
@@ -594,8 +635,9 @@ void for_each_launch_count(void (*fn)(void* ctx, const char* kernel, uint64_t la
 
 const char* last_error() {
   thread_local std::string message;
-  message = std::move(detail::t_fault);
-  detail::t_fault.clear();
+  message = std::move(detail::t_message);
+  detail::t_message.clear();
+  detail::t_sticky = false;
   return message.c_str();
 }
 

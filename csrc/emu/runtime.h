@@ -13,9 +13,13 @@
 //    mask and call site).
 //  * Anything that would hang or be undefined on a GPU fails the launch with a
 //    message naming the kernel, the block and the threads: a barrier that only
-//    part of the block reaches, a collective that misses a lane of its mask or
-//    meets a different collective, a lane outside its own mask, a shuffle that
+//    part of the block reaches, a collective that can never complete (a lane of its
+//    mask exited or waits elsewhere), a lane outside its own mask, a shuffle that
 //    reads a lane outside the mask, a launch beyond the H100 limits.
+//  * Errors follow CUDA's: a bad launch configuration is reported once (like
+//    cudaErrorInvalidConfiguration); a kernel that broke a rule is sticky (like a
+//    device fault): later launches on that host thread are skipped until
+//    kvprune::emu::last_error() has been read.
 #pragma once
 
 #include <vector_types.h>  // dim3, uint3 (host-usable CUDA types)
@@ -38,8 +42,8 @@ constexpr size_t kMaxDynamicSmemOptin = 227 * 1024;
 constexpr int kWarpSize = 32;
 
 enum class Collective : uint8_t {
-  kShuffleXor,  // param: lane mask
-  kShuffleIdx,  // param: none (source lane from each lane's operand)
+  kShuffleXor,  // operand words: value (2), lane mask
+  kShuffleIdx,  // operand words: value (2), source lane
   kMatchAny,
   kMmaF16,      // mma.sync.m16n8k16.row.col.f32.f16.f16.f32
   kMmaBf16,     // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -75,11 +79,20 @@ extern __thread const BlockContext* t_block;
 // ---- called by the shims on an emulated thread ------------------------------------
 void syncthreads(const char* file, int line);
 // Joins a warp collective: `in` holds this lane's operand words (in_words of them),
-// `out` receives its result words once the collective completes.
-void warp_collective(Collective kind, unsigned mask, uint32_t param, const char* file, int line,
+// `out` receives its result words once every lane of `mask` has joined the same
+// collective (same kind, mask and call site).
+void warp_collective(Collective kind, unsigned mask, const char* file, int line,
                      const uint32_t* in, int in_words, uint32_t* out, int out_words);
 // Fails the launch (an error found by a shim, e.g. a bad atomic address).
 [[noreturn]] void fail_thread(const char* what);
+// The block's copy of the static shared variable declared at `site` (one address per
+// declaration): allocated at its exact size on first use in a launch, 0xff-filled at
+// each block start, counted against the shared-memory limits.
+void* block_shared_bytes(const void* site, size_t bytes, size_t align);
+template <typename T>
+T* block_shared(const void* site, size_t align) {
+  return static_cast<T*>(block_shared_bytes(site, sizeof(T), align));
+}
 
 // ---- called by simt::launch & co. on the host ---------------------------------------
 struct KernelRef {

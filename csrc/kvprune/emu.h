@@ -24,7 +24,7 @@ struct Options {
   Schedule schedule = Schedule::kForward;
   uint64_t seed = 0;
   int sm_count = 132;    // what the launch heuristics see (an H100 SXM / H200 has 132)
-  int host_threads = 0;  // host threads that run blocks in parallel; 0: one per CPU
+  int host_threads = 0;  // host threads that run blocks in parallel; 0: one per CPU, at most 8
 };
 
 // True when this build contains the emulator (otherwise every entry point below
@@ -33,8 +33,9 @@ bool compiled();
 // Options for the launches made by the calling host thread.
 void set_options(const Options& options);
 Options options();
-// Why the last failed launch of the calling thread failed ("" if none); reading it
-// clears it, as cudaGetLastError does.
+// Why the last failed launch (or cudaFuncSetAttribute) of the calling thread failed ("" if
+// none). Reading it clears it; after a kernel fault, which is sticky like a device fault
+// (later launches on this thread fail without running), it also lets launches run again.
 const char* last_error();
 // Every kernel (template instantiation) launched so far in this process, with its
 // number of launches: fn(ctx, name, launches) once per kernel, for coverage reports.

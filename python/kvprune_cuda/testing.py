@@ -52,7 +52,7 @@ def emulate_cuda(
         (a permutation drawn from ``seed``, new at every barrier). With more than one,
         each op runs under each and must give bitwise-equal results.
     sm_count: the SM count the launch heuristics see (an H100/H200 has 132).
-    host_threads: host threads running blocks in parallel (0: one per CPU).
+    host_threads: host threads running blocks in parallel (0: one per CPU, at most 8).
     """
     if not _C.build_info()["cuda_emulator"]:
         raise RuntimeError("this build of kvprune_cuda has no CUDA emulator "
