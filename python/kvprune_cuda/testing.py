@@ -11,7 +11,9 @@ emulated SIMT runtime instead of the CPU kernels::
 The emulator runs each block's threads as cooperatively scheduled fibers, with
 real barriers, warp collectives and mma.sync fragment layouts, and fails a launch
 (RuntimeError naming the kernel, block and threads) where a GPU would hang or be
-undefined. With several ``schedules`` every op runs once per schedule (the thread
+undefined. Inside the context, fresh tensors are filled with NaN / the integer
+maximum (PyTorch's deterministic mode with fill_uninitialized_memory), so output
+elements a kernel forgets to write show. With several ``schedules`` every op runs once per schedule (the thread
 order between barriers), in-place arguments restored in between, and the results
 must agree bit for bit: a difference is a race, raised as ScheduleRaceError. It
 shows logic, bounds, barriers and layouts, not speed; see README.md.
@@ -70,10 +72,14 @@ def emulate_cuda(
     def use(code: int) -> None:
         _C._set_cuda_emulation(True, code, seed, sm_count, host_threads)
 
-    was_on = emulating_cuda()
-    if was_on:
+    if emulating_cuda():
         raise RuntimeError("emulate_cuda() is already active on this thread")
     use(codes[0])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         if len(codes) == 1:
             yield
@@ -82,6 +88,8 @@ def emulate_cuda(
                 yield
     finally:
         _C._set_cuda_emulation(False, 0, 0, 132, 0)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
