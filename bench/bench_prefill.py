@@ -175,6 +175,12 @@ def build_methods(cfg: Config, inp: dict, with_lse: bool) -> list[Method]:
                 pooled, budget, n_sink=cfg.n_sink, window=cfg.window)))
             methods.append(Method("kp.gather_kv", "stage", False,
                                   lambda: kp.gather_kv(k, v, idx)))
+            # into caller-provided outputs [B,Hkv,budget,D], zeroed once so they are resident
+            out_k = torch.zeros(cfg.batch, cfg.kv_heads, budget, cfg.head_dim, dtype=k.dtype,
+                                device=k.device)
+            out_v = torch.zeros_like(out_k)
+            methods.append(Method("kp.gather_kv(out=)", "stage", False,
+                                  lambda: kp.gather_kv(k, v, idx, out_k=out_k, out_v=out_v)))
     return methods
 
 
@@ -200,7 +206,7 @@ def bytes_model(cfg: Config, name: str, with_lse: bool) -> int:
         return 3 * scores + idx
     if base == "kp.select_keep":
         return scores + idx
-    if base == "kp.gather_kv":
+    if base in ("kp.gather_kv", "kp.gather_kv(out=)"):
         return 4 * kept + idx
     if base == "torch.mm":
         return k_bytes
@@ -212,7 +218,7 @@ def flops_model(cfg: Config, name: str) -> Optional[int]:
     every row that scores must do at least once, lse or not (exps, pooling, top-k and the gather
     are not counted). None for the rows that do no products (pool/select, select, gather)."""
     base = name.split("+")[0] if not name.startswith("kp.pool+") else name
-    if base in ("kp.pool+select", "kp.select_keep", "kp.gather_kv"):
+    if base in ("kp.pool+select", "kp.select_keep", "kp.gather_kv", "kp.gather_kv(out=)"):
         return None
     return 2 * cfg.batch * cfg.q_heads * cfg.window * cfg.length * cfg.head_dim
 
