@@ -2,17 +2,21 @@
 """Prefill-time compression benchmark: kvprune_cuda vs the plain-PyTorch peers, side by side.
 
 One config = (N, lse given or not). Rows per config:
-  kvpress_style      peer: repeat_kv + full attention weights (bench/peers.py)
+  kvpress_style      peer: repeat_kv + full attention weights (bench/peers.py); no-lse rows only
   torch_best         peer: the best eager PyTorch version (bench/peers.py), with lse when given
-  floor_matmul       only the score matrix products (the CPU floor)
+  torch.mm           second reference: only the score matrix products, torch.mm (not a floor:
+                     BLAS reaches a fraction of the FMA peak on some CPUs)
   kvprune.snapkv     ours, the fused dual-stage op
   kvprune.staged     ours, the four public ops chained
   kp.window_scores, kp.pool+select, kp.select_keep, kp.gather_kv   ours, one stage each
-Columns: median (and min) time, speedups vs kvpress_style and vs torch_best (same lse mode),
-time over the matmul floor, GB/s under the DESIGN.md §5 bytes model and % of the measured
-device copy bandwidth (CUDA), peak extra memory, overlap of the kept set with torch_best.
+Columns: median (and min) time, speedups vs kvpress_style (no-lse rows) and vs torch_best in
+the same lse mode (+lse rows: torch_best+lse, like for like), time over the FMA roofline (CPU:
+the score products' 2·Hq·W·N·D flops at the fp32 FMA rate bench/roofline.py measures in this
+run) and over torch.mm, GB/s under the DESIGN.md §5 bytes model and % of the measured device
+copy bandwidth (CUDA), peak extra memory and (CPU) the workspace left resident after the call,
+overlap of the kept set with torch_best.
 
-    PYTHONPATH=python python bench/bench_prefill.py                      # CPU defaults
+    python bench/bench_prefill.py                                        # CPU defaults
     python bench/bench_prefill.py --device cuda --json prefill.json      # GPU defaults
 """
 
@@ -34,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
+import roofline  # noqa: E402
 import timing  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
@@ -121,7 +126,7 @@ def stage_inputs(cfg: Config, inp: dict) -> None:
 @dataclass
 class Method:
     name: str
-    group: str          # "peer" | "floor" | "ours" | "stage"
+    group: str          # "peer" | "reference" | "ours" | "stage"
     uses_lse: bool
     fn: Callable[[], object]
 
@@ -148,11 +153,13 @@ def build_methods(cfg: Config, inp: dict, with_lse: bool) -> list[Method]:
     methods.append(Method("torch_best" + suffix, "peer", with_lse,
                           lambda: peers.torch_best(q, k, v, budget, lse=lse, **common)))
     if not with_lse:
-        floor_dtype = q.dtype if q.is_cuda else torch.float32
-        floor_out = torch.empty(cfg.q_heads // cfg.kv_heads * cfg.window, cfg.length,
-                                dtype=floor_dtype, device=q.device)
-        methods.append(Method("floor_matmul", "floor", False,
-                              lambda: peers.floor_matmul(q, k, out=floor_out)))
+        mm_dtype = q.dtype if q.is_cuda else torch.float32
+        # [G*W, N], reused across heads; zeroed now so its pages are resident before any
+        # timing or memory probe (it is the reference's scratch, not counted)
+        mm_out = torch.zeros(cfg.q_heads // cfg.kv_heads * cfg.window, cfg.length,
+                             dtype=mm_dtype, device=q.device)
+        methods.append(Method("torch.mm", "reference", False,
+                              lambda: peers.score_mm(q, k, out=mm_out)))
     methods.append(Method("kvprune.snapkv" + suffix, "ours", with_lse,
                           lambda: kp.snapkv(q, k, v, budget, lse=lse, **common)))
     methods.append(Method("kvprune.staged" + suffix, "ours", with_lse, staged))
@@ -168,6 +175,12 @@ def build_methods(cfg: Config, inp: dict, with_lse: bool) -> list[Method]:
                 pooled, budget, n_sink=cfg.n_sink, window=cfg.window)))
             methods.append(Method("kp.gather_kv", "stage", False,
                                   lambda: kp.gather_kv(k, v, idx)))
+            # into caller-provided outputs [B,Hkv,budget,D], zeroed once so they are resident
+            out_k = torch.zeros(cfg.batch, cfg.kv_heads, budget, cfg.head_dim, dtype=k.dtype,
+                                device=k.device)
+            out_v = torch.zeros_like(out_k)
+            methods.append(Method("kp.gather_kv(out=)", "stage", False,
+                                  lambda: kp.gather_kv(k, v, idx, out_k=out_k, out_v=out_v)))
     return methods
 
 
@@ -177,7 +190,7 @@ def bytes_model(cfg: Config, name: str, with_lse: bool) -> int:
     Whole pipelines: K read once per score pass (1 with lse, 2 without) + kept K and V read and
     written. Stages: window_scores = score passes over K + fp32 scores written; pool+select =
     scores read, pooled written and read, idx written; select_keep = pooled read + idx; gather =
-    kept K, V read and written + idx. floor_matmul: K read once.
+    kept K, V read and written + idx. torch.mm: K read once.
     """
     esize = torch.empty(0, dtype=cfg.torch_dtype).element_size()
     rows = cfg.batch * cfg.kv_heads
@@ -193,11 +206,21 @@ def bytes_model(cfg: Config, name: str, with_lse: bool) -> int:
         return 3 * scores + idx
     if base == "kp.select_keep":
         return scores + idx
-    if base == "kp.gather_kv":
+    if base in ("kp.gather_kv", "kp.gather_kv(out=)"):
         return 4 * kept + idx
-    if base == "floor_matmul":
+    if base == "torch.mm":
         return k_bytes
     return passes * k_bytes + 4 * kept
+
+
+def flops_model(cfg: Config, name: str) -> Optional[int]:
+    """Multiply-add flops of the score products, 2·B·Hq·W·N·D (DESIGN.md §5): the arithmetic
+    every row that scores must do at least once, lse or not (exps, pooling, top-k and the gather
+    are not counted). None for the rows that do no products (pool/select, select, gather)."""
+    base = name.split("+")[0] if not name.startswith("kp.pool+") else name
+    if base in ("kp.pool+select", "kp.select_keep", "kp.gather_kv", "kp.gather_kv(out=)"):
+        return None
+    return 2 * cfg.batch * cfg.q_heads * cfg.window * cfg.length * cfg.head_dim
 
 
 def kept_indices(result) -> Optional[torch.Tensor]:
@@ -253,9 +276,10 @@ def mem_child(spec: dict) -> None:
     cfg = Config(**spec["cfg"])
     name, with_lse = spec["method"], spec["lse"]
     with torch.no_grad():
-        # Warm-up on a small problem: loads code, starts the thread pool.
-        small = Config(**{**spec["cfg"], "length": 2048,
-                          "budget": max(cfg.n_sink + cfg.window + 1, int(0.15 * 2048))})
+        # Warm-up on a small problem: loads code, starts the thread pool. Small enough that
+        # the workspace it leaves (~2·512·G·W·4 bytes) is negligible next to the measured one.
+        small = Config(**{**spec["cfg"], "length": 512,
+                          "budget": max(cfg.n_sink + cfg.window + 1, int(0.15 * 512))})
         sinp = make_inputs(small, seed=1)
         if with_lse:
             sinp["lse"] = compute_lse(sinp["q"], sinp["k"])
@@ -269,11 +293,15 @@ def mem_child(spec: dict) -> None:
         if spec.get("stage"):
             stage_inputs(cfg, inp)
         method = [m for m in build_methods(cfg, inp, with_lse) if m.name == name][0]
-        extra, probe = timing.cpu_peak_extra_bytes(method.fn)
-    print("MEMRESULT " + json.dumps({"bytes": extra, "probe": probe}), flush=True)
+        extra, retained, probe = timing.cpu_peak_extra_bytes(method.fn)
+    print("MEMRESULT " + json.dumps({"bytes": extra, "retained": retained, "probe": probe}),
+          flush=True)
 
 
-def cpu_peak_extra(cfg: Config, method: Method, threads: int) -> tuple[Optional[int], str]:
+def cpu_peak_extra(cfg: Config, method: Method, threads: int
+                   ) -> tuple[Optional[int], Optional[int], str]:
+    """(peak extra bytes of the first call at this shape, bytes still resident after it with
+    its outputs freed -- the per-thread workspace kvprune keeps -- , probe name)."""
     spec = {"cfg": asdict(cfg), "method": method.name, "lse": method.uses_lse,
             "threads": threads, "stage": method.group == "stage"}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
@@ -282,13 +310,13 @@ def cpu_peak_extra(cfg: Config, method: Method, threads: int) -> tuple[Optional[
                                json.dumps(spec)], env=env, capture_output=True, text=True,
                               timeout=600)
     except subprocess.TimeoutExpired:
-        return None, "timeout"
+        return None, None, "timeout"
     for line in proc.stdout.splitlines():
         if line.startswith("MEMRESULT "):
             res = json.loads(line[len("MEMRESULT "):])
-            return res["bytes"], res["probe"]
+            return res["bytes"], res["retained"], res["probe"]
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-    return None, f"failed: {tail[0][:120]}"
+    return None, None, f"failed: {tail[0][:120]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +383,8 @@ def run_config(cfg: Config, lse_modes: list[bool], args, copy_bw: Optional[float
         row["gbps"] = row["bytes_model"] / (row["median_ms"] / 1e3) / 1e9
         if copy_bw:
             row["pct_bw"] = 100.0 * row["bytes_model"] / (row["median_ms"] / 1e3) / copy_bw
+        if flops_model(cfg, m.name):
+            row["flops_model"] = flops_model(cfg, m.name)
 
     # 3) peak extra memory
     for m, row in methods:
@@ -364,34 +394,47 @@ def run_config(cfg: Config, lse_modes: list[bool], args, copy_bw: Optional[float
             with torch.no_grad():
                 row["peak_extra_bytes"] = timing.cuda_peak_extra_bytes(m.fn)
             row["mem_probe"] = "cuda max_memory_allocated"
-        elif m.group in ("peer", "floor", "ours"):
-            row["peak_extra_bytes"], row["mem_probe"] = cpu_peak_extra(cfg, m, args.threads)
+        elif m.group in ("peer", "reference", "ours"):
+            (row["peak_extra_bytes"], row["resident_after_bytes"],
+             row["mem_probe"]) = cpu_peak_extra(cfg, m, args.threads)
     add_ratios(rows)
-    for row in rows:
-        print_row(row)
     return rows
 
 
+def add_roofline(rows: list[dict], fma_gflops: float) -> None:
+    """Time over the roofline: the row's score-product flops at the measured FMA rate."""
+    for r in rows:
+        if r.get("flops_model") and r.get("median_ms"):
+            r["roofline_ms"] = r["flops_model"] / (fma_gflops * 1e9) * 1e3
+            r["x_roofline"] = r["median_ms"] / r["roofline_ms"]
+            r["pct_fma_peak"] = 100.0 * r["roofline_ms"] / r["median_ms"]
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Speedups vs kvpress_style and vs torch_best (same lse mode), ratio to floor_matmul."""
+    """Speedups vs kvpress_style (no-lse rows only: the peer computes its own normaliser, so an
+    +lse row against it would not be like for like) and vs torch_best in the same lse mode
+    (torch_best+lse for +lse rows); ratio to the torch.mm reference for rows that score."""
     by = {(r["method"], r["lse"]): r.get("median_ms") for r in rows}
     kvpress = by.get(("kvpress_style", False))
-    floor = by.get(("floor_matmul", False))
+    mm = by.get(("torch.mm", False))
     for r in rows:
         t = r.get("median_ms")
-        if t is None or r["group"] not in TOTAL_GROUPS:
+        if t is None:
+            continue
+        if mm and r.get("flops_model"):
+            r["ratio_to_mm"] = t / mm
+        if r["group"] not in TOTAL_GROUPS:
             continue
         best = by.get(("torch_best+lse" if r["lse"] else "torch_best", r["lse"]))
-        if kvpress:
+        if kvpress and not r["lse"]:
             r["speedup_vs_kvpress"] = kvpress / t
         if best:
             r["speedup_vs_torch_best"] = best / t
-        if floor:
-            r["ratio_to_floor"] = t / floor
 
 
 HEADER = (f"{'method':<22}{'lse':>4}{'median_ms':>11}{'min_ms':>10}{'x_kvpress':>10}{'x_best':>8}"
-          f"{'/floor':>8}{'GB/s':>8}{'%bw':>6}{'extra_MB':>10}{'overlap':>9}{'recall':>10}")
+          f"{'/roof':>7}{'%peak':>7}{'/mm':>7}{'GB/s':>8}{'%bw':>6}{'extra_MB':>10}{'resid_MB':>10}"
+          f"{'overlap':>9}{'recall':>10}")
 
 
 def _fmt(value, spec: str, width: int) -> str:
@@ -402,12 +445,13 @@ def print_row(r: dict) -> None:
     if "error" in r:
         print(f"{r['method']:<22}{'y' if r['lse'] else 'n':>4}  ERROR {r['error']}", flush=True)
         return
-    extra = r.get("peak_extra_bytes")
+    mib = lambda key: r[key] / 2**20 if r.get(key) is not None else None  # noqa: E731
     print(f"{r['method']:<22}{'y' if r['lse'] else 'n':>4}{_fmt(r['median_ms'], '.3f', 11)}"
           f"{_fmt(r['min_ms'], '.3f', 10)}{_fmt(r.get('speedup_vs_kvpress'), '.2f', 10)}"
-          f"{_fmt(r.get('speedup_vs_torch_best'), '.2f', 8)}{_fmt(r.get('ratio_to_floor'), '.2f', 8)}"
+          f"{_fmt(r.get('speedup_vs_torch_best'), '.2f', 8)}{_fmt(r.get('x_roofline'), '.2f', 7)}"
+          f"{_fmt(r.get('pct_fma_peak'), '.0f', 7)}{_fmt(r.get('ratio_to_mm'), '.2f', 7)}"
           f"{_fmt(r.get('gbps'), '.1f', 8)}{_fmt(r.get('pct_bw'), '.0f', 6)}"
-          f"{_fmt(extra / 2**20 if extra is not None else None, '.1f', 10)}"
+          f"{_fmt(mib('peak_extra_bytes'), '.1f', 10)}{_fmt(mib('resident_after_bytes'), '.1f', 10)}"
           f"{_fmt(r.get('overlap_vs_torch_best'), '.4f', 9)}"
           f"{_fmt(r.get('score_recall'), '.6f', 10)}", flush=True)
 
@@ -497,6 +541,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     copy_bw = timing.cuda_copy_bandwidth() if cuda else None
+    fma = None if cuda else roofline.measure(torch.get_num_threads())
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:], "device": device,
@@ -509,6 +554,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "warmup": args.warmup,
         "copy_bw_gbps": copy_bw / 1e9 if copy_bw else None,
         "loadavg_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "fma_roofline_start": fma,
     }
     print(f"kvprune_cuda {info.get('version')} (cuda compiled: {info.get('cuda')}), "
           f"torch {torch.__version__}, device {meta['device_name']}, dtype {args.dtype}, "
@@ -516,14 +562,17 @@ def main(argv=None) -> int:
           f"W={args.window} S={args.n_sink} budget={args.budget_frac:.0%}"
           + (f", threads {meta['threads']}" if not cuda else "")
           + (f", copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write)" if copy_bw else ""))
+    if fma:
+        print(f"fp32 FMA roofline at the start (bench/fma_probe.c, {fma['isa']}): "
+              f"{fma['gflops_1t']:.1f} GFLOP/s on 1 thread, {fma['gflops']:.1f} GFLOP/s on "
+              f"{fma['threads']} threads (measured again at the end; rows use the higher)")
 
     all_rows: list[dict] = []
     for n in args.n:
         budget = max(args.n_sink + args.window, int(round(args.budget_frac * n)))
         cfg = Config(device, args.dtype, args.batch, args.q_heads, args.kv_heads, args.head_dim,
                      args.window, args.n_sink, args.kernel_size, n, budget)
-        print(f"\nN={n} budget={budget}")
-        print(HEADER)
+        print(f"N={n} budget={budget}: timing ...", flush=True)
         all_rows += run_config(cfg, lse_modes, args, copy_bw)
         if cuda:
             torch.cuda.empty_cache()
@@ -531,6 +580,19 @@ def main(argv=None) -> int:
         meta["torch_best_bmm_out_dtype_fp32"] = peers._BMM_OUT_DTYPE_OK[0]
     meta["loadavg_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if not cuda:
+        end = meta["fma_roofline_end"] = roofline.measure(torch.get_num_threads())
+        meta["fma_gflops_used"] = peak = max(fma["gflops"], end["gflops"])
+        add_roofline(all_rows, peak)
+        print(f"fp32 FMA roofline at the end: {end['gflops_1t']:.1f} GFLOP/s on 1 thread, "
+              f"{end['gflops']:.1f} GFLOP/s on {end['threads']} threads. Rows use {peak:.1f} "
+              f"GFLOP/s: '/roof' = time / (2*B*Hq*W*N*D flops at that rate), '%peak' = its "
+              f"inverse in %; '/mm' = time / torch.mm time")
+    for n in args.n:
+        print(f"\nN={n} budget={next(r['budget'] for r in all_rows if r['n'] == n)}")
+        print(HEADER)
+        for row in all_rows:
+            if row["n"] == n:
+                print_row(row)
         print(f"\nhost load average (1 min) at start {meta['loadavg_start']:.1f}, end "
               f"{meta['loadavg_end']:.1f} on {os.cpu_count()} cores: CPU times are only comparable "
               "within one run")

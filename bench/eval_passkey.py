@@ -21,7 +21,7 @@ attention while the hooks record every layer's window queries, H2O scores and kv
 each policy then compresses a copy of that cache and decodes. (Compression happens after
 each layer's prefill anyway, so prefill activations are identical for every policy.)
 
-    PYTHONPATH=python .venv/bin/python bench/eval_passkey.py --tokens 4096 --trials-per-depth 4
+    .venv/bin/python bench/eval_passkey.py --tokens 4096 --trials-per-depth 4
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the ``n_sink`` sinks + the most recent tokens, as StreamingLLM; ``h2o``: sinks +
 perplexity over tokens ``[--skip, N)`` (the first tokens are identical for every policy) and the
 KV bytes held (largest over the run).
 
-    PYTHONPATH=python .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
+    .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
 """
 
 from __future__ import annotations

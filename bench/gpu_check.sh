@@ -116,7 +116,7 @@ step plot           bench.log      30    0 plot_prefill
   echo "---- tests (tail) ----"; tail -n 6 "$OUT/tests.log"
   echo "---- sanitizers ----"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases ok|FAIL " "$OUT/sanitize.log"
   echo "---- bench (rows) ----"
-  grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|floor|kvprune|kp\.|bench_|kvprune_cuda)" | tail -n 64
+  grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|kvprune|kp\.|bench_|kvprune_cuda)" | tail -n 64
   echo
   echo "---- gpu_check summary ($(( $(date +%s) - START ))s total) ----"
   printf "%-15s %-24s %6s\n" step status seconds

@@ -12,8 +12,9 @@ and return a ``Kept(k, v, idx)``: k, v [B, Hkv, budget, D], idx int64 [B, Hkv, b
   G*W queries of a KV head as one matrix, fp32 scores, softmax normalisers folded into one
   matrix-vector product, heads processed in memory-bounded chunks, top-k on the prefix only,
   index_select gather.
-* ``floor_matmul``: only the score matrix products (each KV head's G*W queries times its K), the
-  CPU floor of the whole task. Returns None.
+* ``score_mm``: only the score matrix products (each KV head's G*W queries times its K) with
+  torch.mm: a second reference next to the FMA roofline (bench/roofline.py). Not a floor: on
+  some CPUs BLAS reaches only a fraction of the FMA peak. Returns None.
 
 Semantics match kvprune_cuda.reference.snapkv (sum over window queries, GQA "mean", max pooling
 over the prefix [0, N-W)), up to tie-breaking: torch.topk does not promise the lower position on
@@ -170,9 +171,9 @@ def torch_best(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, budget: int, *
 
 
 # ---------------------------------------------------------------------------------------------
-# c) the matrix-product floor
+# c) the score products alone, with torch.mm (a reference, not a floor)
 # ---------------------------------------------------------------------------------------------
-def floor_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor = None, budget: int = 0, *,
+def score_mm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor = None, budget: int = 0, *,
                  n_sink: int = 4, window: int = 32, kernel_size: int = 7,
                  out: Optional[torch.Tensor] = None) -> None:
     """Only the score products: per KV head, [G*W, D] @ [D, N] with torch.mm.

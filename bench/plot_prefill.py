@@ -13,14 +13,14 @@ import json
 import sys
 from pathlib import Path
 
-# Whole-pipeline rows (and the floor), in legend order: (method, colour, line style).
+# Whole-pipeline rows (and the torch.mm reference), in legend order: (method, colour, line style).
 SERIES = [
     ("kvpress_style", "tab:red", "-"),
     ("torch_best", "tab:orange", "-"),
     ("torch_best+lse", "tab:orange", "--"),
     ("kvprune.snapkv", "tab:blue", "-"),
     ("kvprune.snapkv+lse", "tab:blue", "--"),
-    ("floor_matmul", "tab:gray", ":"),
+    ("torch.mm", "tab:gray", ":"),
 ]
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                   label=method)
         mem = [(n, r["peak_extra_bytes"] / 2**20) for n, r in pts
                if r.get("peak_extra_bytes") is not None]
-        if mem and method != "floor_matmul":  # the floor's buffer is preallocated
+        if mem and method != "torch.mm":  # the reference's buffer is preallocated
             ax_m.plot([n for n, _ in mem], [m for _, m in mem], style, color=colour, marker="o",
                       label=method)
         plotted += 1

@@ -160,26 +160,33 @@ def _reset_hwm() -> bool:
         return False
 
 
-def cpu_peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, str]:
-    """Peak resident bytes during ``fn()`` above the resident size before it. Run in a fresh
-    process, with the inputs already built (and touched) before calling this.
+def cpu_peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, int, str]:
+    """Peak resident bytes during ``fn()`` above the resident size before it, and the bytes
+    still resident once its outputs are freed (what the call keeps: kvprune's per-thread CPU
+    workspace). Run in a fresh process, with the inputs already built (and touched) first.
 
     Preferred probe: reset VmHWM, call, read VmHWM, minus VmRSS before the call (exact for this
     call). Fallback: ru_maxrss after the call minus ru_maxrss before it (a high-water mark
     that also holds whatever peak building the inputs reached, so it can under-report).
     Run the child with MALLOC_MMAP_THRESHOLD_ set so freed buffers leave the RSS instead of
-    staying in malloc's heap for reuse. Returns (bytes, method).
+    staying in malloc's heap for reuse. Returns (peak bytes, resident-after bytes, method).
     """
     gc.collect()
     _malloc_trim()
     rss_kb = _proc_status_kb("VmRSS")
+
+    def resident_after() -> int:
+        gc.collect()
+        _malloc_trim()
+        return (_proc_status_kb("VmRSS") - rss_kb) * 1024
+
     if rss_kb is not None and _reset_hwm() and _proc_status_kb("VmHWM") is not None:
         out = fn()
         peak_kb = _proc_status_kb("VmHWM")
         del out
-        return (peak_kb - rss_kb) * 1024, "VmHWM"
+        return (peak_kb - rss_kb) * 1024, resident_after(), "VmHWM"
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = fn()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del out
-    return (after - before) * 1024, "ru_maxrss"
+    return (after - before) * 1024, resident_after(), "ru_maxrss"

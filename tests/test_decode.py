@@ -243,6 +243,47 @@ def test_h2o_evict_matches_reference(device, num):
     assert torch.equal(kp.h2o_evict(scores, pos, lens, n_sink=4, recent=8, num=num).cpu(), want_next)
 
 
+# Where the lowest score sits, relative to the boundaries of the evictable range
+# [n_sink, n - recent): the last sink, the first evictable, and n - recent and its neighbours.
+BOUNDARY_CASES = {"sink-1": (4, -1, False), "sink": (4, 0, True), "recent-2": (-8, -2, True),
+                  "recent-1": (-8, -1, True), "recent": (-8, 0, False), "recent+1": (-8, 1, False)}
+
+
+@pytest.mark.parametrize("case", list(BOUNDARY_CASES))
+def test_h2o_evict_window_boundaries(device, case):
+    """A full cache, one token to place: the victim is the lowest score among positions in
+    [n_sink, n - recent) and nothing else; expectations written out by hand (no reference)."""
+    B, H, C, S, R = 2, 2, 24, 4, 8
+    lens = [50, 47]  # rows see different n, so the boundary is per row
+    base, offset, evictable = BOUNDARY_CASES[case]
+    decoy_pos = S + 3  # clearly evictable: the victim whenever the lowest score is protected
+    pos = torch.empty(B, H, C, dtype=torch.int32)
+    scores = torch.empty(B, H, C)
+    want_slot = torch.empty(B, H, 1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        # sinks, the 8 positions after them, the last 12 positions (C = 24 held in all)
+        held = list(range(S)) + list(range(S, S + 8)) + list(range(n - (C - S - 8), n))
+        low = (base if base > 0 else n + base) + offset  # position that gets the lowest score
+        for h in range(H):
+            perm = torch.randperm(C, generator=_gen(100 * b + h))
+            pos[b, h] = torch.tensor(held, dtype=torch.int32)[perm]  # slot != position
+            scores[b, h] = 0.5 + 0.5 * torch.rand(C, generator=_gen(7 + b + h))
+            slot_of = {int(p): s for s, p in enumerate(pos[b, h].tolist())}
+            scores[b, h, slot_of[low]] = 0.01
+            scores[b, h, slot_of[decoy_pos]] = 0.1
+            want_slot[b, h, 0] = slot_of[low] if evictable else slot_of[decoy_pos]
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    pos_d, scores_d = pos.to(device), scores.to(device)
+    got = kp.h2o_evict(scores_d, pos_d, lens_t.to(device), n_sink=S, recent=R, num=1)
+    assert got.cpu().tolist() == want_slot.tolist(), case
+    want_pos, want_scores = pos.clone(), scores.clone()
+    for b in range(B):
+        for h in range(H):
+            want_pos[b, h, want_slot[b, h, 0]] = -1
+            want_scores[b, h, want_slot[b, h, 0]] = 0.0
+    assert torch.equal(pos_d.cpu(), want_pos) and torch.equal(scores_d.cpu(), want_scores)
+
+
 def test_h2o_evict_filling_and_ties(device):
     B, H, C = 1, 2, 10
     pos = torch.full((B, H, C), -1, dtype=torch.int32)

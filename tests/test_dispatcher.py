@@ -59,11 +59,12 @@ def test_fake_shapes_match_real(device, gen):
             fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             fake = op(*fake_args)
         if real is None:  # gather_kv_out: mutates its outputs, returns nothing
-            assert fake is None
+            assert fake is None, op
             continue
         real = real if isinstance(real, tuple) else (real,)
         fake = fake if isinstance(fake, tuple) else (fake,)
-        for r, f in zip(real, fake):
+        assert len(real) == len(fake), (op, len(real), len(fake))  # zip would hide a missing one
+        for r, f in zip(real, fake, strict=True):
             assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), op
 
 

@@ -5,7 +5,8 @@ Skipped cleanly when ``transformers`` is not installed.
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import sys
 
 import pytest
 import torch
@@ -19,19 +20,36 @@ from kvprune_cuda import reference as ref  # noqa: E402
 N_LAYERS, HQ, HKV, D = 2, 4, 2, 16
 
 
-@pytest.fixture(scope="module")
-def model():
+def _tiny(config_cls, model_cls):
+    """A tiny random causal LM (GQA, RoPE) of the given family, attention sharpened."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
+    cfg = config_cls(
         vocab_size=128, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=N_LAYERS,
         num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=1024,
         rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    m = transformers.Qwen2ForCausalLM(cfg).eval()
-    # Sharpen attention so eviction visibly matters.
+    m = model_cls(cfg).eval()
+    # Sharpen attention so eviction visibly matters (Qwen3 normalises q, so scale q_norm too).
     with torch.no_grad():
         for layer in m.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
+            if getattr(layer.self_attn, "q_norm", None) is not None:
+                layer.self_attn.q_norm.weight.mul_(4.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny(transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """Qwen3: RMS-normalised queries and keys (``q_norm`` / ``k_norm``) before RoPE."""
+    if not hasattr(transformers, "Qwen3Config"):
+        pytest.skip("this transformers has no Qwen3")
+    m = _tiny(transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+    assert m.model.layers[0].self_attn.q_norm is not None
     return m
 
 
@@ -73,28 +91,47 @@ def test_budget_above_prompt_equals_plain(model, gen, policy):
     assert torch.equal(plain, ours)
 
 
-def _capture_full(model, ids, window):
-    """Full-cache prefill with the queries each layer computes (captured by an attention hook)."""
-    seen = {}
+@contextlib.contextmanager
+def _eager_capture(model):
+    """Runs ``model`` with eager attention and records, per layer and call, what each attention
+    module hands to its attention function: ``(query [B,Hq,q,D], key [B,Hkv,L,D], weights
+    [B,Hq,q,L])`` -- the module's own post-RoPE (and post-q_norm) queries, the cache it attends
+    over (after the update, before any eviction) and its softmax weights. Independent of hf.py.
+    """
+    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    eager = mod.eager_attention_forward
+    calls: dict[int, list] = {}
 
-    def hook(mod, args, kwargs, out):
-        seen[mod.layer_idx] = kwargs
-    hs = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    def capture(module, query, key, value, attention_mask, *args, **kwargs):
+        out, weights = eager(module, query, key, value, attention_mask, *args, **kwargs)
+        calls.setdefault(module.layer_idx, []).append(
+            (query.detach().clone(), key.detach().clone(), weights.detach().double()))
+        return out, weights
+
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    mod.eager_attention_forward = capture
+    try:
+        yield calls
+    finally:
+        mod.eager_attention_forward = eager
+        model.config._attn_implementation = impl
+
+
+def _capture_full(model, ids, window):
+    """Full-cache prefill, and each layer's last ``window`` post-RoPE queries as its attention
+    function received them (not recomputed with hf.py's own ``_queries``)."""
     cache = transformers.DynamicCache()
-    with torch.no_grad():
+    with _eager_capture(model) as calls, torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-    for h in hs:
-        h.remove()
-    qs = {}
-    for i, kw in seen.items():
-        attn = model.model.layers[i].self_attn
-        cos, sin = kw["position_embeddings"]
-        qs[i] = hf.KVCompressor._queries(attn, kw["hidden_states"], cos, sin)[:, :, -window:]
+    qs = {i: c[0][0][:, :, -window:] for i, c in calls.items()}
     return cache, qs
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("policy", ["streaming", "snapkv"])
-def test_prefill_compression_matches_reference(model, gen, policy):
+def test_prefill_compression_matches_reference(request, gen, policy, arch):
+    model = request.getfixturevalue("model" if arch == "qwen2" else "qwen3")
     n, budget, w = 64, 24, 8
     ids = _ids(gen, 1, n)
     full, qs = _capture_full(model, ids, w)
@@ -116,14 +153,12 @@ def test_prefill_compression_matches_reference(model, gen, policy):
     assert hf.kv_bytes(full) == 2 * N_LAYERS * HKV * n * D * 4
 
 
-def _manual_decode(model, cache, first_logits, steps, pos0, keep=None):
+def _manual_decode(model, cache, first_logits, steps, pos0):
     """Greedy decode on an explicitly compressed cache (keys at original positions)."""
     out = [int(first_logits[0, -1].argmax())]
     with torch.no_grad():
         for t in range(steps - 1):
             pos = torch.tensor([[pos0 + t]])
-            if keep is not None:
-                pass
             lg = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
                        position_ids=pos, cache_position=pos[0]).logits
             out.append(int(lg[0, -1].argmax()))
@@ -238,3 +273,166 @@ def test_h2o_scores_are_accumulated_attention(model, gen):
         a = att[i][0].double().sum(1)                      # [Hq, N] summed over queries
         exp = a.view(HKV, HQ // HKV, -1).mean(1)           # GQA mean
         torch.testing.assert_close(kvc.layers[i].h2o[0].double(), exp, rtol=1e-4, atol=1e-4)
+
+
+# ---- what each layer holds after decoding (items: streaming / h2o eviction content) ---------
+
+
+def _positions(calls, layer):
+    """Per call of one layer: the stream position held in every slot of every KV head.
+
+    Each call's new tokens are the last ``q`` rows of its key tensor, at the next positions;
+    every other row is identified by exact equality with a key seen earlier (random keys are
+    distinct). Returns [(pos [Hkv, L] long, weights [Hq, q, L] double)] per call (B = 1)."""
+    seen: list[dict] = [dict() for _ in range(HKV)]  # per KV head: key bytes -> position
+    count, out = 0, []
+    for query, key, weights in calls[layer]:
+        q, length = query.shape[2], key.shape[2]
+        pos = torch.empty(HKV, length, dtype=torch.long)
+        for g in range(HKV):
+            for s in range(length):
+                row = key[0, g, s].numpy().tobytes()
+                if s >= length - q:
+                    seen[g][row] = count + s - (length - q)
+                pos[g, s] = seen[g][row]
+        count += q
+        out.append((pos, weights[0]))
+    return out
+
+
+def _held_after(model, cache, calls, layer):
+    """Positions [Hkv, C] held by ``layer`` after each call: the next call's pre-eviction rows
+    minus its new token, and for the last call the cache itself."""
+    steps = _positions(calls, layer)
+    held = [pos[:, :-query_len] for (pos, _), query_len in
+            zip(steps[1:], [c[0].shape[2] for c in calls[layer][1:]])]
+    k_final = hf.cache_kv(cache, layer)[0]
+    lookup = [{calls[layer][-1][1][0, g, s].numpy().tobytes(): int(steps[-1][0][g, s])
+               for s in range(steps[-1][0].shape[1])} for g in range(HKV)]
+    held.append(torch.tensor([[lookup[g][k_final[0, g, s].numpy().tobytes()]
+                               for s in range(k_final.shape[2])] for g in range(HKV)]))
+    return steps, held
+
+
+def test_streaming_decode_holds_sinks_and_most_recent(model, gen):
+    """After every decode step each layer and KV head holds exactly the sinks plus the most
+    recent ``budget - n_sink`` positions seen so far (not the first ones, not a mix)."""
+    n, budget, sinks, new = 40, 16, 4, 10
+    ids = _ids(gen, 1, n)
+    cache = transformers.DynamicCache()
+    with _eager_capture(model) as calls:
+        with kp.hf.compress(model, policy="streaming", budget=budget, n_sink=sinks, window=8):
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, past_key_values=cache, pad_token_id=0)
+    for layer in range(N_LAYERS):
+        assert len(calls[layer]) == new  # the prefill, then one call per decoded token but the last
+        _, held = _held_after(model, cache, calls, layer)
+        for step, pos in enumerate(held):
+            total = n + step  # tokens seen after this call
+            want = list(range(sinks)) + list(range(total - (budget - sinks), total))
+            for g in range(HKV):
+                assert pos[g].tolist() == want, (layer, step, g)
+
+
+def test_h2o_decode_evicts_lowest_accumulated_attention(model, gen):
+    """H2O: after the prefill each layer keeps sinks, the last ``window`` and the highest
+    accumulated prompt attention; at each decode step the evicted position is the one with the
+    lowest accumulated attention (eager softmax weights of every query so far, GQA mean) among
+    those outside the sinks and the ``window`` most recent held tokens."""
+    n, budget, sinks, w, new = 40, 20, 4, 8, 12
+    ids = _ids(gen, 1, n)
+    cache = transformers.DynamicCache()
+    with _eager_capture(model) as calls:
+        with kp.hf.compress(model, policy="h2o", budget=budget, n_sink=sinks, window=w):
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, past_key_values=cache, pad_token_id=0)
+    group = HQ // HKV
+    evictions = 0
+    for layer in range(N_LAYERS):
+        steps, held = _held_after(model, cache, calls, layer)
+        score = torch.zeros(HKV, n + new, dtype=torch.float64)  # accumulated, by position
+        for step, ((pos, weights), after) in enumerate(zip(steps, held)):
+            mass = weights.sum(1).view(HKV, group, -1).mean(1)  # [Hkv, L]
+            for g in range(HKV):
+                score[g].index_add_(0, pos[g], mass[g])
+                if step == 0:  # prefill: sinks + window + top scores of the middle
+                    middle = torch.arange(sinks, n - w)
+                    top = middle[torch.sort(-score[g, sinks:n - w], stable=True).indices]
+                    want = sorted(list(range(sinks)) + top[:budget - sinks - w].tolist()
+                                  + list(range(n - w, n)))
+                    assert after[g].tolist() == want, (layer, g)
+                    continue
+                cand = pos[g, sinks:pos.shape[1] - w]  # held, minus sinks and recent window
+                victim = int(cand[torch.argmin(score[g, cand])])
+                want = [p for p in pos[g].tolist() if p != victim]
+                assert after[g].tolist() == want, (layer, step, g)
+                gap = torch.sort(score[g, cand]).values[:2]
+                assert float(gap[1] - gap[0]) > 1e-6, "tie: the choice would be ambiguous"
+                evictions += 1
+    assert evictions == N_LAYERS * HKV * (new - 1)
+
+
+# ---- query-agnostic: a compressed context, then a multi-token question ----------------------
+
+
+def _agnostic_expected_idx(policy, calls, budget, sinks, w):
+    """Kept positions per layer [1, Hkv, budget] after compressing the context alone, from the
+    context's own eager queries / weights and kvprune_cuda.reference."""
+    out = {}
+    for layer, ((query, key, weights),) in ((i, c[:1]) for i, c in calls.items()):
+        n = key.shape[2]
+        if policy == "streaming":
+            out[layer] = ref.streaming_indices(1, HKV, n, budget, n_sink=sinks)
+        elif policy == "snapkv":
+            scores = ref.window_scores(query[:, :, -w:], key)
+            pooled = ref.pool_scores(scores, 7, "max", window=w)
+            out[layer] = ref.select_keep(pooled, budget, n_sink=sinks, window=w)
+        else:  # h2o: attention of every context query, GQA mean
+            mass = weights[0].sum(1).view(HKV, HQ // HKV, n).mean(1)[None].float()
+            out[layer] = ref.select_keep(mass, budget, n_sink=sinks, window=w)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o"])
+def test_query_agnostic_compressed_context_then_question(model, gen, policy):
+    """A 60-token context compressed to 24 tokens on its own, then a 5-token question in one
+    forward: its logits equal the question fed one token at a time to a plain DynamicCache
+    built by hand from the full context cache at the independently computed kept positions
+    (original RoPE positions, no hooks). Everything runs in eager attention, so the context
+    forwards with and without hooks are bitwise the same."""
+    n, q_len, budget, sinks, w = 60, 5, 24, 4, 8
+    ctx, qst = _ids(gen, 1, n), _ids(gen, 1, q_len)
+    with _eager_capture(model) as calls:
+        _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w)
+
+
+def _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w):
+    q_len = qst.shape[1]
+    with torch.no_grad():
+        full = transformers.DynamicCache()
+        model(input_ids=ctx, past_key_values=full, use_cache=True)
+    keep = _agnostic_expected_idx(policy, calls, budget, sinks, w)
+    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=sinks, window=w,
+                        kernel_size=7) as kvc:
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            assert kvc.kept == budget
+            for layer in range(N_LAYERS):
+                got = hf.cache_kv(cache, layer)[0]
+                want = ref.gather_kv(*hf.cache_kv(full, layer), keep[layer])[0]
+                assert torch.equal(got, want.to(got.dtype)), layer
+            lg_two = model(input_ids=qst, past_key_values=cache, use_cache=True).logits
+    by_hand = transformers.DynamicCache()
+    for layer in range(N_LAYERS):
+        kk, vv = ref.gather_kv(*hf.cache_kv(full, layer), keep[layer])
+        by_hand.update(kk.contiguous(), vv.contiguous(), layer)
+    rows = []
+    with torch.no_grad():
+        for t in range(q_len):
+            pos = torch.tensor([[n + t]])
+            rows.append(model(input_ids=qst[:, t:t + 1], past_key_values=by_hand, use_cache=True,
+                              position_ids=pos, cache_position=pos[0]).logits)
+    torch.testing.assert_close(lg_two, torch.cat(rows, 1), rtol=1e-4, atol=1e-4)
