@@ -168,6 +168,16 @@ CASES = [
     ("streaming-int", lambda x: kp.streaming(x.k.int(), x.v.int(), 8), TE, r"\bk\b.*float32"),
     ("streaming-seq-lens-shape", lambda x: kp.streaming(x.k, x.v, 8, seq_lens=x.i32(3)), VE,
      r"seq_lens.*shape"),
+    # wrongly typed scalars
+    ("snapkv-budget-float", lambda x: kp.snapkv(x.q, x.k, x.v, BUDGET + 0.5, window=W), TE,
+     r"budget"),
+    ("snapkv-scale-str", lambda x: kp.snapkv(x.q, x.k, x.v, BUDGET, window=W, scale="0.1"), TE,
+     r"scale"),
+    ("snapkv-pool-none", lambda x: kp.snapkv(x.q, x.k, x.v, BUDGET, window=W, pool=None), TE,
+     r"pool"),
+    ("pool-kernel-float", lambda x: kp.pool_scores(x.scores, 7.0), TE, r"kernel_size"),
+    ("select-budget-bool", lambda x: kp.select_keep(x.scores, True, window=W), TE, r"budget"),
+    ("streaming-sink-str", lambda x: kp.streaming(x.k, x.v, 8, n_sink="4"), TE, r"n_sink"),
 ]
 
 
@@ -176,9 +186,6 @@ CASES = [
 # which raises RuntimeError, not the TypeError the public API promises.
 XFAIL_CASES = [
     ("ws-gqa-none", lambda x: kp.window_scores(x.q, x.k, gqa=None), TE, r"gqa"),
-    ("snapkv-budget-float", lambda x: kp.snapkv(x.q, x.k, x.v, BUDGET + 0.5, window=W), TE,
-     r"budget"),
-    ("pool-kernel-float", lambda x: kp.pool_scores(x.scores, 7.0), TE, r"kernel_size"),
 ]
 
 

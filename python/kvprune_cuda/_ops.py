@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from kvprune_cuda import _C  # noqa: F401  (loads the library that registers the ops)
+from kvprune_cuda._args import check_int, check_scale, check_str
 
 if TYPE_CHECKING:
     from kvprune_cuda.decode import Rope
@@ -66,6 +67,9 @@ def pool_scores(
     ``mode="max"`` ignores padding; ``"avg"`` counts padding as zeros (divides by
     kernel_size). Window positions are copied, positions >= n are 0.
     """
+    check_int("kernel_size", kernel_size)
+    check_str("mode", mode, ("max", "avg"))
+    check_int("window", window)
     return _ops.pool_scores(scores, kernel_size, mode, window, seq_lens)
 
 
@@ -83,6 +87,8 @@ def select_keep(
     budget - n_sink - window slots take the highest scores (ties: lower position).
     Rows with n <= budget keep all n positions and pad with -1.
     """
+    for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window)):
+        check_int(name, value)
     return _ops.select_keep(scores, budget, n_sink, window, seq_lens)
 
 
@@ -137,6 +143,12 @@ def snapkv(
     ``window`` is the protected recent window (and pooling boundary); the
     observation queries are q's W positions. Returns KeptKV(k, v, idx).
     """
+    for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window),
+                        ("kernel_size", kernel_size)):
+        check_int(name, value)
+    check_str("pool", pool, ("max", "avg"))
+    check_str("gqa", gqa, ("mean", "max", "sum"))
+    check_scale(scale)
     out_k, out_v, idx = _ops.snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
                                     scale, seq_lens)
     return KeptKV(out_k, out_v, idx)
@@ -151,5 +163,7 @@ def streaming(
     seq_lens: Optional[torch.Tensor] = None,
 ) -> KeptKV:
     """StreamingLLM compression: sinks [0, n_sink) + the last budget - n_sink positions."""
+    check_int("budget", budget)
+    check_int("n_sink", n_sink)
     out_k, out_v, idx = _ops.streaming(k, v, budget, n_sink, seq_lens)
     return KeptKV(out_k, out_v, idx)

@@ -1,0 +1,32 @@
+"""Type checks of the public ops' scalar arguments, so a wrong type raises a TypeError
+naming the argument (the op schema would raise a bare RuntimeError)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+
+def check_int(name: str, value) -> None:
+    """An integer (Python int, numpy integer, or a SymInt under torch.compile), not a bool."""
+    if isinstance(value, torch.SymInt):
+        return
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def check_str(name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
+
+
+def check_scale(value) -> None:
+    if value is None or isinstance(value, torch.SymFloat):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(value).__name__} {value!r}")
