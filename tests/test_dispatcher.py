@@ -28,6 +28,11 @@ def op_samples(device, gen):
     return [
         ("window_scores", OPS.window_scores.default, (q, k, None, None, "mean", None)),
         ("window_scores-lse-seq_lens", OPS.window_scores.default, (q, k, lse, 0.3, "max", lens)),
+        ("window_scores-qmax", OPS.window_scores.default, (q, k, None, None, "sum", lens, "max")),
+        ("window_scores_out-qmax", OPS.window_scores_out.default,
+         (q, k, None, None, "mean", lens, "max", torch.rand(2, 2, 30, generator=gen).to(device))),
+        ("window_scores_out-sum-lse", OPS.window_scores_out.default,
+         (q, k, lse, None, "max", None, "sum", torch.rand(2, 2, 48, generator=gen).to(device))),
         ("pool_scores", OPS.pool_scores.default, (scores, 7, "max", 8, None)),
         ("pool_scores-avg-seq_lens", OPS.pool_scores.default, (scores, 5, "avg", 8, lens)),
         ("select_keep", OPS.select_keep.default, (scores, 20, 2, 8, lens)),
@@ -58,7 +63,7 @@ def test_fake_shapes_match_real(device, gen):
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             fake = op(*fake_args)
-        if real is None:  # gather_kv_out: mutates its outputs, returns nothing
+        if real is None:  # *_out ops: mutate their outputs, return nothing
             assert fake is None, op
             continue
         real = real if isinstance(real, tuple) else (real,)

@@ -24,6 +24,8 @@ Status validate_sizes(const WindowScoresParams& p) {
     return Status::kInvalidArgument;
   if (p.reduce != GqaReduce::kMean && p.reduce != GqaReduce::kMax && p.reduce != GqaReduce::kSum)
     return Status::kInvalidArgument;
+  if (p.qreduce != QueryReduce::kSum && p.qreduce != QueryReduce::kMax) return Status::kInvalidArgument;
+  if (p.fold_length < 0 || p.fold_length > p.length) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -81,7 +83,7 @@ Status validate_agreement(const SnapKvParams& p) {
   const WindowScoresParams& sc = p.scores;
   const SelectKeepParams& se = p.select;
   const GatherKvParams& ga = p.gather;
-  const bool same_problem = se.batch == sc.batch && se.heads == sc.kv_heads &&
+  const bool same_problem = sc.fold_length == 0 && se.batch == sc.batch && se.heads == sc.kv_heads &&
                             se.length == sc.length && se.seq_lens == sc.seq_lens &&
                             ga.batch == sc.batch && ga.heads == sc.kv_heads &&
                             ga.length == sc.length && ga.head_dim == sc.head_dim &&

@@ -17,21 +17,19 @@
 //    the previous head's exps of chunk c, which the sweep reads right after.
 //    K is read once either way; the only large scratch is two heads' [N][rows]
 //    fp32 exps.
+// That is qreduce = sum; qreduce = max runs window_scores_qmax.cpp (bounded memory).
+// With fold_length > 0 each chunk's scores fold into the caller's [.., M] rows.
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 #include "core/validate.h"
-#include "cpu/half.h"
 #include "cpu/parallel.h"
-#include "cpu/window_scores_kernels.h"
+#include "cpu/window_scores_rows.h"
 #include "kvprune/kvprune.h"
 
 namespace kvprune {
 namespace {
 
 using cpu::kChunkKeys;
-constexpr float kLog2e = 1.4426950408889634f;
 
 int64_t padded_rows(const WindowScoresParams& p) {
   const int64_t rows = p.q_heads / p.kv_heads * p.window;
@@ -51,6 +49,7 @@ struct Workspace {
   float* exps[2];         // [chunks * kChunkKeys][Mp]
   float* worker_keys;  // [workers][kChunkKeys][D]
   float* worker_tiles; // [workers][2][kChunkKeys][Mp] (the current and the previous chunk)
+  float* worker_fold;  // [workers][kChunkKeys] a chunk's scores before they fold into the output
   size_t floats;       // total size
 
   Workspace(const WindowScoresParams& p, int workers, float* base) {
@@ -73,6 +72,7 @@ struct Workspace {
     }
     worker_keys = take(workers * kChunkKeys * p.head_dim);
     worker_tiles = take(workers * 2 * kChunkKeys * mp);
+    worker_fold = take(p.fold_length > 0 ? workers * kChunkKeys : 0);
     floats = static_cast<size_t>(cursor - base);
   }
 };
@@ -85,59 +85,24 @@ struct HeadJob {
   const char* k_head;  // k[b, g] as bytes
   int64_t len;         // valid keys of this row
   int64_t mp;
-  float* out;          // scores[b, g, :]
+  float* out;          // scores[b, g, :], score_row_length(p) floats
   int buffers;         // softmax path: which exps / chunk_max / chunk_weight set
   int64_t chunks() const { return (len + kChunkKeys - 1) / kChunkKeys; }
 };
 
-// q_packed[d][h*W+i] = q[b, g*G+h, i, d] * scale * log2(e); padding rows are 0.
-void pack_queries(const WindowScoresParams& p, int64_t b, int64_t g, int64_t mp, float* q_packed) {
-  const int64_t group = p.q_heads / p.kv_heads;
-  std::fill(q_packed, q_packed + p.head_dim * mp, 0.f);
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t i = 0; i < p.window; ++i) {
-      const int64_t src = b * p.q.batch_stride + (g * group + h) * p.q.head_stride + i * p.q.token_stride;
-      for (int64_t d = 0; d < p.head_dim; ++d)
-        q_packed[d * mp + h * p.window + i] = cpu::load_as_float(p.q.data, src + d, p.dtype) * p.scale * kLog2e;
-    }
-}
+cpu::HeadView head_view(const HeadJob& job) { return {job.p, job.kernels, job.k_head, job.len}; }
 
-// Masks keys [first, first+count) of a tile: query i sees key j iff j <= len-W+i.
-void apply_causal_mask(const HeadJob& job, int64_t first, int64_t count, float* tile) {
+// Writes (or folds) the scores of keys [first, first + count) below the score row's end:
+// the weighted column sums of tile [count][mp]. fold_scratch: [kChunkKeys].
+void reduce_chunk(const HeadJob& job, const float* tile, int64_t first, int64_t count,
+                  const float* weight, float* fold_scratch) {
   const WindowScoresParams& p = *job.p;
-  const int64_t rows = p.q_heads / p.kv_heads * p.window;
-  const int64_t window_start = job.len - p.window;
-  for (int64_t j = std::max(first, window_start); j < first + count; ++j) {
-    float* line = tile + (j - first) * job.mp;
-    for (int64_t r = 0; r < rows; ++r)
-      if (j > window_start + r % p.window) line[r] = -std::numeric_limits<float>::infinity();
-  }
-}
-
-// Logits of keys [first, first+count) into tile, masked; `background` (whose
-// next_keys this fills in) runs during the arithmetic.
-void chunk_logits(const HeadJob& job, int64_t first, int64_t count, float* keys, float* tile,
-                  cpu::BackgroundWork background) {
-  const WindowScoresParams& p = *job.p;
-  const int64_t padded = (count + cpu::kKeyBlock - 1) / cpu::kKeyBlock * cpu::kKeyBlock;
-  const int64_t row_stride = p.k.token_stride * dtype_size(p.dtype);
-  const char* chunk_rows = job.k_head + first * row_stride;
-  // fp32 K is read in place unless the chunk needs zero padding; others are converted.
-  const float* k_chunk = reinterpret_cast<const float*>(chunk_rows);
-  int64_t k_stride = p.k.token_stride;
-  if (p.dtype != DType::kFloat32 || padded != count) {
-    job.kernels->pack_keys(chunk_rows, p.k.token_stride, p.dtype, p.head_dim, count, padded, keys);
-    k_chunk = keys;
-    k_stride = p.head_dim;
-  }
-  cpu::KeyPrefetch& next = background.next_keys;  // the chunk after this one
-  next.base = job.k_head + (first + count) * row_stride;
-  next.stride_bytes = row_stride;
-  next.rows = std::max<int64_t>(0, std::min(kChunkKeys, job.len - first - count));
-  next.row_bytes = p.head_dim * dtype_size(p.dtype);
-  job.kernels->logits(job.ws->q_packed, job.mp, p.head_dim, k_chunk, k_stride, padded, tile,
-                      background);
-  apply_causal_mask(job, first, count, tile);
+  const int64_t keys = std::min(count, score_row_length(p) - first);
+  if (keys <= 0) return;
+  float* dst = p.fold_length > 0 ? fold_scratch : job.out + first;
+  job.kernels->reduce_columns(tile, job.mp, keys, weight, p.q_heads / p.kv_heads, p.window, p.reduce, dst);
+  if (p.fold_length > 0)
+    for (int64_t j = 0; j < keys; ++j) cpu::fold_score(p, dst[j], job.out + first + j);
 }
 
 void run_head_with_lse(const HeadJob& job, const CpuExecutor& exec) {
@@ -149,10 +114,9 @@ void run_head_with_lse(const HeadJob& job, const CpuExecutor& exec) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunkKeys;
       const int64_t count = std::min(kChunkKeys, job.len - first);
-      chunk_logits(job, first, count, keys, tile, {});
+      cpu::chunk_logits(head_view(job), job.ws->q_packed, 0, job.mp, first, count, keys, tile, {});
       job.kernels->exp_minus(tile, job.mp, count, job.ws->lse2);
-      job.kernels->reduce_columns(tile, job.mp, count, job.ws->row_weight, p.q_heads / p.kv_heads,
-                                  p.window, p.reduce, job.out + first);
+      reduce_chunk(job, tile, first, count, job.ws->row_weight, job.ws->worker_fold + worker * kChunkKeys);
     }
   });
 }
@@ -165,7 +129,7 @@ void softmax_chunk_stats(const HeadJob& job, int64_t c, float* keys, float* tile
   const Workspace& ws = *job.ws;
   const int64_t first = c * kChunkKeys;
   const int64_t count = std::min(kChunkKeys, job.len - first);
-  chunk_logits(job, first, count, keys, tile, background);
+  cpu::chunk_logits(head_view(job), ws.q_packed, 0, job.mp, first, count, keys, tile, background);
   job.kernels->softmax_stats(tile, job.mp, count, ws.chunk_max[job.buffers] + c * job.mp,
                              ws.chunk_weight[job.buffers] + c * job.mp);
 }
@@ -183,13 +147,11 @@ void softmax_chunk_weights(const HeadJob& job, const CpuExecutor& exec) {
 }
 
 // Softmax pass 2 for chunk c: weighted column sums of the stored exps.
-void softmax_chunk_scores(const HeadJob& job, int64_t c) {
-  const WindowScoresParams& p = *job.p;
+void softmax_chunk_scores(const HeadJob& job, int64_t c, float* fold_scratch) {
   const int64_t first = c * kChunkKeys;
   const int64_t count = std::min(kChunkKeys, job.len - first);
-  job.kernels->reduce_columns(job.ws->exps[job.buffers] + first * job.mp, job.mp, count,
-                              job.ws->chunk_weight[job.buffers] + c * job.mp,
-                              p.q_heads / p.kv_heads, p.window, p.reduce, job.out + first);
+  reduce_chunk(job, job.ws->exps[job.buffers] + first * job.mp, first, count,
+               job.ws->chunk_weight[job.buffers] + c * job.mp, fold_scratch);
 }
 
 // Runs pass 1 of `current` (if any) and pass 2 of `previous` (if any) in one
@@ -221,40 +183,36 @@ void softmax_overlapped(const HeadJob* current, const HeadJob* previous, const C
       } else {
         any.kernels->stream_copy(background);
       }
-      if (c < previous_chunks) softmax_chunk_scores(*previous, c);
+      if (c < previous_chunks) softmax_chunk_scores(*previous, c, any.ws->worker_fold + worker * kChunkKeys);
     }
     any.kernels->stream_copy(pending);  // also fences this worker's streaming stores
   });
-}
-
-// lse2[h*W+i] = lse[b, g*G+h, i] * log2(e); padding rows +inf (so they exponentiate to 0).
-void load_lse(const WindowScoresParams& p, int64_t b, int64_t g, int64_t mp, float* lse2) {
-  const int64_t group = p.q_heads / p.kv_heads;
-  std::fill(lse2, lse2 + mp, std::numeric_limits<float>::infinity());
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t i = 0; i < p.window; ++i)
-      lse2[h * p.window + i] = p.lse[(b * p.q_heads + g * group + h) * p.window + i] * kLog2e;
 }
 
 }  // namespace
 
 size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuExecutor& exec) {
   if (validate_sizes(p) != Status::kOk) return 0;
-  return Workspace(p, cpu::num_workers(exec), nullptr).floats * sizeof(float);
+  const int workers = cpu::num_workers(exec);
+  if (p.qreduce == QueryReduce::kMax) return cpu::qmax_workspace_floats(p, workers) * sizeof(float);
+  return Workspace(p, workers, nullptr).floats * sizeof(float);
 }
 
 Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t workspace_bytes,
                          const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
   if (auto s = validate_seq_lens_host(p.seq_lens, p.batch, p.length); s != Status::kOk) return s;
-  const int workers = cpu::num_workers(exec);
-  const Workspace ws(p, workers, static_cast<float*>(workspace));
-  if (workspace_bytes < ws.floats * sizeof(float)) return Status::kWorkspaceTooSmall;
+  if (workspace_bytes < window_scores_workspace_bytes_cpu(p, exec)) return Status::kWorkspaceTooSmall;
+  const cpu::WindowScoresKernels& kernels = cpu::best_window_scores_kernels();
+  if (p.qreduce == QueryReduce::kMax) {
+    cpu::window_scores_qmax(p, kernels, static_cast<float*>(workspace), exec);
+    return Status::kOk;
+  }
+  const Workspace ws(p, cpu::num_workers(exec), static_cast<float*>(workspace));
 
   const int64_t mp = padded_rows(p);
   const int64_t rows = p.q_heads / p.kv_heads * p.window;
   for (int64_t r = 0; r < mp; ++r) ws.row_weight[r] = r < rows ? 1.f : 0.f;
-  const cpu::WindowScoresKernels& kernels = cpu::best_window_scores_kernels();
 
   // Softmax path: head i's pass 1 overlaps head i-1's pass 2 (see the top comment).
   HeadJob previous{};
@@ -263,15 +221,15 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.seq_lens != nullptr ? p.seq_lens[b] : p.length;
     for (int64_t g = 0; g < p.kv_heads; ++g) {
-      float* out = p.scores + (b * p.kv_heads + g) * p.length;
-      std::fill(out + len, out + p.length, 0.f);
+      float* out = p.scores + (b * p.kv_heads + g) * score_row_length(p);
+      cpu::finish_row_tail(p, len, out);
       if (len == 0) continue;
-      pack_queries(p, b, g, mp, ws.q_packed);
+      cpu::pack_query_rows(p, b, g, 0, mp, ws.q_packed);
       const char* k_head = static_cast<const char*>(p.k.data) +
                            (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype);
       const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out, buffers};
       if (p.lse != nullptr) {
-        load_lse(p, b, g, mp, ws.lse2);
+        cpu::load_lse(p, b, g, mp, ws.lse2);
         run_head_with_lse(job, exec);
         continue;
       }

@@ -227,11 +227,31 @@ void reduce_columns(const float* tile, int64_t mp, int64_t num_keys, const float
   }
 }
 
+void column_max(const float* tile, int64_t block_rows, int64_t num_keys, int64_t row0,
+                int64_t live_rows, int64_t window, float* head_max) {
+  const int64_t row_end = std::min(row0 + block_rows, live_rows);
+  for (int64_t h = row0 / window; h * window < row_end; ++h) {
+    const int64_t begin = std::max(row0, h * window) - row0;
+    const int64_t end = std::min(row_end, (h + 1) * window) - row0;
+    float* best = head_max + h * kChunkKeys;
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const float* line = tile + j * block_rows;
+      V acc = V{};  // probabilities are >= 0
+      int64_t r = begin;
+      for (; r + kLanes <= end; r += kLanes) acc = simd::vmax<kLanes>(simd::load<kLanes>(line + r), acc);
+      float m = best[j];
+      for (; r < end; ++r) m = line[r] > m ? line[r] : m;
+      for (int i = 0; i < kLanes; ++i) m = acc[i] > m ? acc[i] : m;
+      best[j] = m;
+    }
+  }
+}
+
 }  // namespace
 
 const WindowScoresKernels& kernels() {
   static const WindowScoresKernels table{pack_keys, logits, softmax_stats, chunk_weights, stream_copy,
-                                          exp_minus, reduce_columns};
+                                          exp_minus, reduce_columns, column_max};
   return table;
 }
 

@@ -71,6 +71,11 @@ struct WindowScoresKernels {
   // (mean divides the total by `group`); weight is 0 on padding rows.
   void (*reduce_columns)(const float* tile, int64_t mp, int64_t num_keys, const float* weight,
                          int64_t group, int64_t window, GqaReduce reduce, float* out);
+  // tile [num_keys][block_rows] holds probabilities of packed rows [row0, row0 + block_rows);
+  // for each query head h and key j < num_keys: head_max[h * kChunkKeys + j] = max of
+  // itself and tile[j][r - row0] over the rows r < live_rows of head h (r / window == h).
+  void (*column_max)(const float* tile, int64_t block_rows, int64_t num_keys, int64_t row0,
+                     int64_t live_rows, int64_t window, float* head_max);
 };
 
 // The variant for the best instruction set this CPU supports.

@@ -9,6 +9,10 @@
 //  * lse given: one probs pass writes the scores;
 //  * no lse: a stats pass writes per-chunk softmax states, a combine kernel turns
 //    them into lse, then the probs pass runs on that lse.
+// qreduce = max takes a max instead of a sum over a head's rows in the probs pass and
+// finishes each head before the GQA reduction. With fold_length = M > 0 the probs
+// pass covers keys [0, M) only and folds them into the caller's scores at the final
+// store (probs kernel, or split reduce).
 // When the tensor-core path spreads a group's query heads over several CTAs (too
 // many rows for shared memory), the probs pass writes one score array per split
 // into the workspace and a split-reduce kernel finishes the scores.
@@ -16,7 +20,7 @@
 // Workspace layout (only the parts needed, each 256-byte aligned):
 //   stats    float2 [num_chunks, batch*q_heads*window]   no lse
 //   lse      float  [batch, q_heads, window]              no lse
-//   partial  float  [splits, batch, kv_heads, length]     splits > 1
+//   partial  float  [splits, batch, kv_heads, M]          splits > 1 (M = score row length)
 
 #include <algorithm>
 #include <cstdint>
@@ -80,11 +84,17 @@ struct Plan {
 
 int64_t group_size(const WindowScoresParams& p) { return p.q_heads / p.kv_heads; }
 
-PassPlan simt_plan(const WindowScoresParams& p) {
+// Keys a pass walks: the stats cover all N (the normaliser), the probs only the
+// score row's keys (M when folding).
+int64_t pass_keys(const WindowScoresParams& p, Pass pass) {
+  return pass == Pass::kProbs ? score_row_length(p) : p.length;
+}
+
+PassPlan simt_plan(const WindowScoresParams& p, Pass pass) {
   PassPlan plan;
   plan.fits = true;
   plan.tile_keys = SimtShape::kTileKeys;
-  plan.num_chunks = ceil_div(p.length, plan.tile_keys);
+  plan.num_chunks = ceil_div(pass_keys(p, pass), plan.tile_keys);
   plan.heads_per_cta = group_size(p);
   return plan;
 }
@@ -102,7 +112,7 @@ PassPlan mma_plan(const WindowScoresParams& p, Pass pass, const DeviceLimits& de
   plan.heads_per_cta = ceil_div(group, plan.splits);
   plan.smem_bytes = static_cast<size_t>(plan.heads_per_cta * head_bytes);
   plan.tile_keys = Shape::kTileKeys;
-  const int64_t tiles = ceil_div(p.length, plan.tile_keys);
+  const int64_t tiles = ceil_div(pass_keys(p, pass), plan.tile_keys);
   const int64_t work = tiles * p.batch * p.kv_heads * plan.splits;
   plan.tiles_per_chunk = std::clamp(ceil_div(work, kTargetCtasPerSm * dev.sm_count), int64_t{1},
                                     std::min(tiles, kMaxTilesPerChunk));
@@ -140,7 +150,10 @@ Plan make_plan(const WindowScoresParams& p, const DeviceLimits& dev, bool check_
     if (p.lse == nullptr) plan.stats = mma_plan_for_dim(p, Pass::kStats, dev);
     plan.tensor_cores = plan.probs.fits && (p.lse != nullptr || plan.stats.fits);
   }
-  if (!plan.tensor_cores) plan.stats = plan.probs = simt_plan(p);
+  if (!plan.tensor_cores) {
+    plan.stats = simt_plan(p, Pass::kStats);
+    plan.probs = simt_plan(p, Pass::kProbs);
+  }
   return plan;
 }
 
@@ -163,7 +176,8 @@ WorkspaceLayout workspace_layout(const WindowScoresParams& p, const Plan& plan) 
   }
   if (plan.probs.splits > 1) {
     layout.partial = offset;
-    offset += static_cast<size_t>(plan.probs.splits * p.batch * p.kv_heads * p.length) * sizeof(float);
+    offset += static_cast<size_t>(plan.probs.splits * p.batch * p.kv_heads * score_row_length(p)) *
+              sizeof(float);
   }
   layout.total = offset;
   return layout;
@@ -187,6 +201,8 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
   a.lse = p.lse;
   a.seq_lens = p.seq_lens;
   a.length = static_cast<int>(p.length);
+  a.out_length = static_cast<int>(score_row_length(p));
+  a.fold = p.fold_length > 0 ? 1 : 0;
   a.batch = static_cast<int>(p.batch);
   a.q_heads = static_cast<int>(p.q_heads);
   a.kv_heads = static_cast<int>(p.kv_heads);
@@ -270,7 +286,7 @@ size_t window_scores_workspace_bytes_cuda(const WindowScoresParams& p) {
   if (validate_sizes(p) != Status::kOk || p.batch == 0 || p.length == 0) return 0;
   DeviceLimits dev;
   if (!query_device_limits(&dev)) return 0;
-  const Plan simt{false, simt_plan(p), simt_plan(p)};
+  const Plan simt{false, simt_plan(p, Pass::kStats), simt_plan(p, Pass::kProbs)};
   return std::max(workspace_layout(p, make_plan(p, dev, false)).total,
                   workspace_layout(p, simt).total);
 }
@@ -312,13 +328,20 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
   float* partial = reinterpret_cast<float*>(ws + layout.partial);
   probs.out = split ? partial : p.scores;
   probs.out_scale = split ? 1.f : mean_scale;
-  if (launch_pass<Pass::kProbs>(p, plan.tensor_cores, probs, plan.probs, dev.max_smem_per_cta,
-                                stream) != cudaSuccess)
-    return Status::kCudaError;
+  probs.fold = split ? 0 : probs.fold;  // the split reduce folds
+  const bool query_max = p.qreduce == QueryReduce::kMax;
+  const cudaError_t err =
+      query_max ? launch_pass<Pass::kProbsMax>(p, plan.tensor_cores, probs, plan.probs,
+                                               dev.max_smem_per_cta, stream)
+                : launch_pass<Pass::kProbs>(p, plan.tensor_cores, probs, plan.probs,
+                                            dev.max_smem_per_cta, stream);
+  if (err != cudaSuccess) return Status::kCudaError;
   if (split) {
-    const int64_t count = p.batch * p.kv_heads * p.length;
+    const int64_t count = p.batch * p.kv_heads * score_row_length(p);
     simt::launch<window_scores_impl::window_scores_split_reduce_kernel>(
-        small_kernel_blocks(count, dev), kReduceThreads, 0, stream, partial, p.scores, count, static_cast<int>(plan.probs.splits), probs.reduce_max, mean_scale);
+        small_kernel_blocks(count, dev), kReduceThreads, 0, stream, partial, p.scores, count,
+        static_cast<int>(plan.probs.splits), probs.reduce_max, mean_scale,
+        p.fold_length > 0 ? 1 : 0, query_max ? 1 : 0);
   }
   return simt::get_last_error() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }

@@ -17,8 +17,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Pass 1 (no lse given) gathers per-row softmax statistics; pass 2 accumulates
-// the GQA-reduced probabilities into the scores.
-enum class Pass : int { kStats = 0, kProbs = 1 };
+// the GQA-reduced probabilities into the scores, summing (kProbs) or taking the
+// maximum (kProbsMax, qreduce = max) over each head's window queries.
+enum class Pass : int { kStats = 0, kProbs = 1, kProbsMax = 2 };
 
 // Everything a window_scores kernel needs. Sizes follow WindowScoresParams.
 struct KernelArgs {
@@ -30,11 +31,13 @@ struct KernelArgs {
   int64_t k_batch_stride;
   int64_t k_head_stride;
   int64_t k_token_stride;
-  const float* lse;         // [batch, q_heads, window] natural-log LSE (Pass::kProbs)
+  const float* lse;         // [batch, q_heads, window] natural-log LSE (probs passes)
   const int32_t* seq_lens;  // [batch] or null
   float2* stats;            // out: [num_chunks, batch*q_heads*window] (m, l) (Pass::kStats)
-  float* out;               // out: [splits, batch, kv_heads, length] scores (Pass::kProbs)
+  float* out;               // out: [splits, batch, kv_heads, out_length] scores (probs passes)
   int length;               // N (the launcher guarantees length + key tile < 2^31)
+  int out_length;           // keys per score row of out (probs passes): N, or M when folding
+  int fold;                 // 1: fold into out (max for kProbsMax, else add), 0: store
   int batch;
   int q_heads;
   int kv_heads;
@@ -72,6 +75,14 @@ __device__ __forceinline__ float2 window_scores_merge(float2 a, float2 b) {
   if (a.x == -INFINITY) return b;
   const float m = fmaxf(a.x, b.x);
   return make_float2(m, a.y * window_scores_exp2(a.x - m) + b.y * window_scores_exp2(b.x - m));
+}
+
+// out[i] = v, or v folded into it: max(out[i], v) when query_max, else out[i] + v.
+// out: a score row [out_length] (or all scores).
+__device__ __forceinline__ void window_scores_store(float* out, int64_t i, float v, int fold,
+                                                    int query_max) {
+  if (fold) v = query_max ? fmaxf(out[i], v) : out[i] + v;
+  out[i] = v;
 }
 
 __device__ __forceinline__ float window_scores_to_float(float x) { return x; }

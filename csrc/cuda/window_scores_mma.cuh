@@ -34,7 +34,7 @@ struct MmaShape {
   // Shared-memory bytes per staged query row (Q fragments, last visible key, lse
   // or per-warp softmax states).
   static constexpr int64_t row_bytes(Pass pass) {
-    return 2 * kHeadDim + 4 + (pass == Pass::kProbs ? 4 : 8 * kWarps);
+    return 2 * kHeadDim + 4 + (pass == Pass::kStats ? 8 * kWarps : 4);
   }
 };
 
@@ -62,26 +62,29 @@ __device__ __forceinline__ void window_scores_logits(const uint4* q_tile,
   }
 }
 
-// Sum of v over the 8 lanes that share this lane's key columns (same t).
-__device__ __forceinline__ float window_scores_column_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 4);
-  v += __shfl_xor_sync(0xffffffffu, v, 8);
-  v += __shfl_xor_sync(0xffffffffu, v, 16);
+// Sum (or max, if use_max) of v over the 8 lanes that share this lane's key columns (same t).
+__device__ __forceinline__ float window_scores_column_reduce(float v, int use_max) {
+#pragma unroll
+  for (int mask = 4; mask <= 16; mask <<= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, mask);
+    v = use_max ? fmaxf(v, other) : v + other;
+  }
   return v;
 }
 
-// Column sums of a lane's per-key partials over the 8 lanes of its key columns,
-// returning the one of key column (g/2)*8 + 2t + g%2 that lane (g, t) owns
+// Column sums (or maxima) of a lane's per-key partials over the 8 lanes of its key
+// columns, returning the one of key column (g/2)*8 + 2t + g%2 that lane (g, t) owns
 // (0 for lanes with g >= 2 * kKeyTiles).
 template <int kKeyTiles>
-__device__ __forceinline__ float window_scores_own_column_sum(const float (&partial)[kKeyTiles][2]) {
+__device__ __forceinline__ float window_scores_own_column(const float (&partial)[kKeyTiles][2],
+                                                          int use_max) {
   const int g = (threadIdx.x & 31) >> 2;
   float own = 0.f;
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float v = window_scores_column_sum(partial[nt][e]);
+      const float v = window_scores_column_reduce(partial[nt][e], use_max);
       if (nt * 2 + e == g) own = v;
     }
   }
@@ -96,6 +99,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   constexpr int kDimChunks = Shape::kDimChunks;
   constexpr int kWarpKeys = Shape::kWarpKeys;
   constexpr int kTileKeys = Shape::kTileKeys;
+  constexpr bool kProbs = kPass != Pass::kStats;
+  constexpr int kQueryMax = kPass == Pass::kProbsMax ? 1 : 0;
   uint4* const window_scores_smem = simt::dynamic_shared<uint4>();
 
   const int chunk = blockIdx.x % a.num_chunks;
@@ -103,15 +108,18 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   const int b = bh / a.kv_heads;
   const int kv_head = bh % a.kv_heads;
   const int n = window_scores_row_length(a.seq_lens, b, a.length);
+  // Keys this pass covers: all N for the stats, the score row's out_length for the probs.
+  const int key_limit = kProbs ? a.out_length : a.length;
   const int first_key = chunk * a.tiles_per_chunk * kTileKeys;  // this CTA's keys
-  const int end_key = min(first_key + a.tiles_per_chunk * kTileKeys, a.length);
-  float* out = nullptr;  // this (split, batch, kv head)'s scores [length]
-  if constexpr (kPass == Pass::kProbs) {
-    out = a.out + (blockIdx.y * static_cast<int64_t>(a.batch) * a.kv_heads + bh) * a.length;
+  const int end_key = min(first_key + a.tiles_per_chunk * kTileKeys, key_limit);
+  float* out = nullptr;  // this (split, batch, kv head)'s scores [out_length]
+  if constexpr (kProbs) {
+    out = a.out + (blockIdx.y * static_cast<int64_t>(a.batch) * a.kv_heads + bh) * a.out_length;
   }
   if (first_key >= n) {  // the chunk holds no valid key
-    if constexpr (kPass == Pass::kProbs) {
-      for (int key = first_key + threadIdx.x; key < end_key; key += Shape::kThreads) out[key] = 0.f;
+    if constexpr (kProbs) {
+      for (int key = first_key + threadIdx.x; key < end_key; key += Shape::kThreads)
+        window_scores_store(out, key, 0.f, a.fold, kQueryMax);
     }
     return;
   }
@@ -147,7 +155,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     const int i = row % rows_per_head;
     const int last_key = window_scores_last_key(n, a.window, i);
     row_last_key[row] = last_key;
-    if constexpr (kPass == Pass::kProbs) {
+    if constexpr (kProbs) {
       const int64_t q_row = (q_head0 + row / rows_per_head) * a.window + i;
       row_lse2[row] = last_key >= 0 ? __ldg(a.lse + q_row) * kLog2e : 0.f;
     } else {
@@ -165,8 +173,9 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   for (int tile_key0 = first_key; tile_key0 < end_key; tile_key0 += kTileKeys) {
     const int warp_key0 = tile_key0 + warp * kWarpKeys;
     if (warp_key0 >= n) {  // every key of this warp is past the row's end
-      if constexpr (kPass == Pass::kProbs) {
-        if (lane < kWarpKeys && warp_key0 + lane < a.length) out[warp_key0 + lane] = 0.f;
+      if constexpr (kProbs) {
+        if (lane < kWarpKeys && warp_key0 + lane < key_limit)
+          window_scores_store(out, warp_key0 + lane, 0.f, a.fold, kQueryMax);
       }
       continue;
     }
@@ -184,11 +193,14 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
       }
     }
 
-    // head_sum: this lane's part of the per-key sum of the current head (max) or
-    // of all heads so far (sum). Lane (g, t) owns key column
-    // (g/2)*8 + 2t + g%2 and keeps its finished max over heads in own_max.
+    // head_sum: this lane's part of the per-key sum (or max over rows, kQueryMax) of
+    // the current head (when heads finish one by one) or of all heads so far (plain
+    // sum). Heads finish one by one for a max over heads or over queries: lane (g, t)
+    // owns key column (g/2)*8 + 2t + g%2 and keeps the finished heads' GQA
+    // reduction in own.
+    const int per_head = kQueryMax | a.reduce_max;
     float head_sum[kKeyTiles][2] = {};
-    float own_max = 0.f;
+    float own = 0.f;
     int tiles_left_in_head = rows_per_head / 16;
 #pragma unroll 1
     for (int mt = 0; mt < rows / 16; ++mt) {
@@ -200,7 +212,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
       const int limit0 = row_last_key[row0] - warp_key0 - 2 * t;
       const int limit1 = row_last_key[row0 + 8] - warp_key0 - 2 * t;
 
-      if constexpr (kPass == Pass::kProbs) {
+      if constexpr (kProbs) {
         const float lse0 = row_lse2[row0];
         const float lse1 = row_lse2[row0 + 8];
 #pragma unroll
@@ -210,12 +222,15 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
             const int col = nt * 8 + e;
             const float p0 = window_scores_exp2(fmaf(acc[nt][e], a.scale_log2, -lse0));
             const float p1 = window_scores_exp2(fmaf(acc[nt][2 + e], a.scale_log2, -lse1));
-            head_sum[nt][e] += (col <= limit0 ? p0 : 0.f) + (col <= limit1 ? p1 : 0.f);
+            const float v0 = col <= limit0 ? p0 : 0.f;
+            const float v1 = col <= limit1 ? p1 : 0.f;
+            head_sum[nt][e] = kQueryMax ? fmaxf(head_sum[nt][e], fmaxf(v0, v1)) : head_sum[nt][e] + (v0 + v1);
           }
         }
-        if (a.reduce_max && --tiles_left_in_head == 0) {  // the head is complete
+        if (per_head && --tiles_left_in_head == 0) {  // the head is complete
           tiles_left_in_head = rows_per_head / 16;
-          own_max = fmaxf(own_max, window_scores_own_column_sum<kKeyTiles>(head_sum));
+          const float head = window_scores_own_column<kKeyTiles>(head_sum, kQueryMax);
+          own = a.reduce_max ? fmaxf(own, head) : own + head;
 #pragma unroll
           for (int nt = 0; nt < kKeyTiles; ++nt) head_sum[nt][0] = head_sum[nt][1] = 0.f;
         }
@@ -252,10 +267,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
       }
     }
 
-    if constexpr (kPass == Pass::kProbs) {
-      const float value = a.reduce_max ? own_max : window_scores_own_column_sum<kKeyTiles>(head_sum);
+    if constexpr (kProbs) {
+      const float value = per_head ? own : window_scores_own_column<kKeyTiles>(head_sum, 0);
       const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);
-      if (g < 2 * kKeyTiles && key < a.length) out[key] = value * a.out_scale;
+      if (g < 2 * kKeyTiles && key < key_limit)
+        window_scores_store(out, key, value * a.out_scale, a.fold, kQueryMax);
     }
   }
 

@@ -29,11 +29,12 @@ __global__ void window_scores_lse_combine_kernel(const float2* stats, const int3
   }
 }
 
-// scores[e] = out_scale * (sum or max over s of partial[s, e]).
-// partial: [splits, count]; scores: out [count] (= [batch, kv_heads, length]).
+// scores[e] = out_scale * (sum or max over s of partial[s, e]), stored or folded
+// into scores (window_scores_store). partial: [splits, count]; scores: [count]
+// (= [batch, kv_heads, out_length]).
 __global__ void window_scores_split_reduce_kernel(const float* partial, float* scores,
                                                   int64_t count, int splits, int reduce_max,
-                                                  float out_scale) {
+                                                  float out_scale, int fold, int query_max) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += stride) {
@@ -42,7 +43,7 @@ __global__ void window_scores_split_reduce_kernel(const float* partial, float* s
       const float p = partial[s * count + e];
       v = reduce_max ? fmaxf(v, p) : v + p;
     }
-    scores[e] = v * out_scale;
+    window_scores_store(scores, e, v * out_scale, fold, query_max);
   }
 }
 

@@ -5,7 +5,8 @@
 // One CTA = one (batch row, KV head, tile of kTileKeys keys); thread x owns keys
 // x + c * kThreads (c < kKeysPerThread) and sweeps every query row of the group,
 // kRowBlock rows at a time, so each key's sums stay in that thread's registers and
-// need no reduction across threads. Head dims are staged in chunks of kDimChunk
+// need no reduction across threads (a sum over a head's rows, or their max with
+// kProbsMax). Head dims are staged in chunks of kDimChunk
 // as fp32 in shared memory (K chunk transposed to [dim][key], padded against bank
 // conflicts); the K tile is re-read (from L1/L2) once per row block.
 #pragma once
@@ -33,6 +34,8 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
   constexpr int kTileKeys = SimtShape::kTileKeys;
   constexpr int kRowBlock = SimtShape::kRowBlock;
   constexpr int kDimChunk = SimtShape::kDimChunk;
+  constexpr bool kProbs = kPass != Pass::kStats;
+  constexpr int kQueryMax = kPass == Pass::kProbsMax ? 1 : 0;
   KVPRUNE_SHARED(float, k_chunk, [kDimChunk][kTileKeys + 1]);  // [dim][key]
   KVPRUNE_SHARED_ALIGNED(16, float, q_chunk, [kDimChunk][kRowBlock]);  // [dim][row]
   KVPRUNE_SHARED(float2, warp_states, [SimtShape::kWarps][kRowBlock]);  // [warp][row] (kStats)
@@ -43,16 +46,17 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
   const int kv_head = bh % a.kv_heads;
   const int n = window_scores_row_length(a.seq_lens, b, a.length);
   const int tile_key0 = tile * kTileKeys;
-  const int stored_keys = min(a.length - tile_key0, kTileKeys);  // keys of the tile that exist
+  // Keys of the tile that exist (stats) or are scored (probs: below out_length).
+  const int stored_keys = min((kProbs ? a.out_length : a.length) - tile_key0, kTileKeys);
   const int valid_keys = min(n - tile_key0, kTileKeys);          // keys of the tile below n
   const auto col = [](int c) { return static_cast<int>(threadIdx.x) + c * kThreads; };  // tile-relative key
   float* out = nullptr;  // this tile's scores [stored_keys]
-  if constexpr (kPass == Pass::kProbs) out = a.out + static_cast<int64_t>(bh) * a.length + tile_key0;
+  if constexpr (kProbs) out = a.out + static_cast<int64_t>(bh) * a.out_length + tile_key0;
   if (valid_keys <= 0) {  // every key of the tile is past the row's end
-    if constexpr (kPass == Pass::kProbs) {
+    if constexpr (kProbs) {
 #pragma unroll
       for (int c = 0; c < kKeys; ++c) {
-        if (col(c) < stored_keys) out[col(c)] = 0.f;
+        if (col(c) < stored_keys) window_scores_store(out, col(c), 0.f, a.fold, kQueryMax);
       }
     }
     return;
@@ -105,13 +109,14 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
         const int i = i0 + r;
         if (i >= a.window) break;
         const int last = window_scores_last_key(n, a.window, i) - tile_key0;  // tile-relative
-        if constexpr (kPass == Pass::kProbs) {
+        if constexpr (kProbs) {
           if (last < 0) continue;
           const float lse2 = __ldg(a.lse + q_head * a.window + i) * kLog2e;
 #pragma unroll
           for (int c = 0; c < kKeys; ++c) {
             const float p = window_scores_exp2(fmaf(acc[r][c], a.scale_log2, -lse2));
-            head_sum[c] += col(c) <= last ? p : 0.f;
+            const float v = col(c) <= last ? p : 0.f;
+            head_sum[c] = kQueryMax ? fmaxf(head_sum[c], v) : head_sum[c] + v;
           }
         } else {
           float x[kKeys];
@@ -142,7 +147,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
         }
       }
     }
-    if constexpr (kPass == Pass::kProbs) {
+    if constexpr (kProbs) {
 #pragma unroll
       for (int c = 0; c < kKeys; ++c) {
         group_acc[c] = a.reduce_max ? fmaxf(group_acc[c], head_sum[c]) : group_acc[c] + head_sum[c];
@@ -150,10 +155,11 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
     }
   }
 
-  if constexpr (kPass == Pass::kProbs) {
+  if constexpr (kProbs) {
 #pragma unroll
     for (int c = 0; c < kKeys; ++c) {
-      if (col(c) < stored_keys) out[col(c)] = group_acc[c] * a.out_scale;
+      if (col(c) < stored_keys)
+        window_scores_store(out, col(c), group_acc[c] * a.out_scale, a.fold, kQueryMax);
     }
   }
 }

@@ -22,6 +22,9 @@ namespace kvprune {
 // How the per-query-head score rows of one GQA group are combined.
 enum class GqaReduce : int { kMean = 0, kMax = 1, kSum = 2 };
 
+// How the window queries' probabilities of one query head are combined per key.
+enum class QueryReduce : int { kSum = 0, kMax = 1 };
+
 // 1-D pooling over the prefix [0, len - window): max ignores padding; avg counts
 // padding as zeros and always divides by kernel_size.
 enum class PoolMode : int { kMax = 0, kAvg = 1 };
@@ -44,16 +47,22 @@ struct MutableTokens {
 
 // SnapKV observation-window voting (DESIGN §1, stage 2).
 //   a[h,i,j] = softmax_j(q[h,i].k[h/G,j] * scale) over j <= len-window+i
-//   scores[g,j] = reduce_{h in group g} sum_i a[h,i,j]
+//   s[h,j] = sum_i a[h,i,j] (qreduce kSum) or max_i a[h,i,j] (kMax; invisible pairs count as 0)
+//   new[g,j] = reduce_{h in group g} s[h,j]
 // With lse: a = exp(q.k*scale - lse[h,i]) and no normalisation pass.
 // Queries whose position len-window+i is negative (len < window) contribute nothing.
-// Positions j >= len get score 0.
+// Positions j >= len get new = 0.
+// fold_length == 0: scores = new, all `length` keys.
+// fold_length == M in [1, length]: scores is an existing [batch, kv_heads, M] array and
+// only keys j < M are scored (the normaliser still covers every visible key); each is
+// folded in place with the query reduction: scores = max(scores, new) (kMax) or
+// scores + new (kSum), positions len <= j < M included (new = 0 there).
 struct WindowScoresParams {
   ConstTokens q;                      // [batch, q_heads, window, head_dim], dtype
   ConstTokens k;                      // [batch, kv_heads, length, head_dim], dtype
   const float* lse = nullptr;         // [batch, q_heads, window] contiguous fp32, or null
   const int32_t* seq_lens = nullptr;  // [batch] or null
-  float* scores = nullptr;            // out: [batch, kv_heads, length] contiguous fp32
+  float* scores = nullptr;            // out: [batch, kv_heads, fold_length or length] contiguous fp32
   DType dtype = DType::kFloat32;
   int64_t batch = 0;
   int64_t q_heads = 0;
@@ -63,7 +72,14 @@ struct WindowScoresParams {
   int64_t head_dim = 0;  // D
   float scale = 0.f;     // usually 1/sqrt(D)
   GqaReduce reduce = GqaReduce::kMean;
+  QueryReduce qreduce = QueryReduce::kSum;
+  int64_t fold_length = 0;  // 0: write scores; M in [1, length]: fold keys [0, M) into scores
 };
+
+// Keys per score row of p.scores: M when folding, else length.
+inline int64_t score_row_length(const WindowScoresParams& p) {
+  return p.fold_length > 0 ? p.fold_length : p.length;
+}
 
 // Stage 3: stride-1 pooling over each row's prefix [0, len - window). Positions in
 // [len - window, len) are copied unchanged, positions >= len become 0.

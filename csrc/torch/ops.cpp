@@ -138,17 +138,62 @@ at::Tensor empty_like_kept(const at::Tensor& k, int64_t budget) {
 
 }  // namespace
 
-at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
-                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens) {
-  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+namespace {
+
+QueryReduce parse_qreduce(const std::string& qreduce) {
+  if (qreduce == "sum") return QueryReduce::kSum;
+  TORCH_CHECK_VALUE(qreduce == "max", "qreduce must be 'sum' or 'max', got '", qreduce, "'");
+  return QueryReduce::kMax;
+}
+
+// out: an existing fp32 [B, Hkv, M] score tensor, 1 <= M <= N, that the op folds into.
+void check_fold_out(const at::Tensor& out, const WindowScoresParams& p, const at::Tensor& q,
+                    const at::Tensor& k, const std::optional<at::Tensor>& lse,
+                    const std::optional<at::Tensor>& seq_lens) {
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == p.batch && out.size(1) == p.kv_heads,
+                    "out must have shape [", p.batch, ", ", p.kv_heads, ", M], got ", out.sizes());
+  TORCH_CHECK_VALUE(out.size(2) >= 1 && out.size(2) <= p.length, "out: M = out.shape[2] (",
+                    out.size(2), ") must lie in [1, N] with N = ", p.length, " (k.shape[2])");
+  TORCH_CHECK_VALUE(out.is_contiguous(), "out must be contiguous");
+  check_same_device(out, "out", q, "q");
+  check_disjoint(out, "out", q, "q");
+  check_disjoint(out, "out", k, "k");
+  if (lse.has_value()) check_disjoint(out, "out", *lse, "lse");
+  if (seq_lens.has_value()) check_disjoint(out, "out", *seq_lens, "seq_lens");
+}
+
+void run_window_scores(const Backend& be, WindowScoresParams& p, const at::Tensor& q,
+                       float* scores) {
   const c10::DeviceGuard guard(q.device());
-  at::Tensor scores = at::empty({p.batch, p.kv_heads, p.length}, q.options().dtype(at::kFloat));
-  p.scores = scores.data_ptr<float>();
+  p.scores = scores;
   const size_t ws_bytes = be.window_scores_workspace(p);
   at::Tensor ws = allocate_workspace(ws_bytes, q);
   check_status(be.window_scores(p, ws.data_ptr(), ws_bytes), "window_scores");
+}
+
+}  // namespace
+
+at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
+                         const std::string& qreduce) {
+  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  p.qreduce = parse_qreduce(qreduce);
+  at::Tensor scores = at::empty({p.batch, p.kv_heads, p.length}, q.options().dtype(at::kFloat));
+  run_window_scores(be, p, q, scores.data_ptr<float>());
   return scores;
+}
+
+void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                       const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
+                       const std::string& qreduce, at::Tensor& out) {
+  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  p.qreduce = parse_qreduce(qreduce);
+  check_fold_out(out, p, q, k, lse, seq_lens);
+  p.fold_length = out.size(2);
+  run_window_scores(be, p, q, out.data_ptr<float>());
 }
 
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,

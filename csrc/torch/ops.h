@@ -19,7 +19,14 @@ using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // q [B,Hq,W,D], k [B,Hkv,N,D], lse [B,Hq,W] fp32 -> scores fp32 [B,Hkv,N]
 at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                          const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens);
+                         const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
+                         const std::string& qreduce);
+// The same, folded into out fp32 [B,Hkv,M] (1 <= M <= N): keys [0, M) only,
+// max(out, new) for qreduce "max", out + new for "sum".
+void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                       const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
+                       const std::string& qreduce, at::Tensor& out);
 // scores fp32 [B,H,N] -> fp32 [B,H,N]
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
                        const std::string& mode, int64_t window,
@@ -52,8 +59,16 @@ struct OpsFor {
   static at::Tensor window_scores_impl(const at::Tensor& q, const at::Tensor& k,
                                        const std::optional<at::Tensor>& lse,
                                        std::optional<double> scale, std::string gqa,
-                                       const std::optional<at::Tensor>& seq_lens) {
-    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens);
+                                       const std::optional<at::Tensor>& seq_lens,
+                                       std::string qreduce) {
+    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce);
+  }
+  static void window_scores_out_impl(const at::Tensor& q, const at::Tensor& k,
+                                     const std::optional<at::Tensor>& lse,
+                                     std::optional<double> scale, std::string gqa,
+                                     const std::optional<at::Tensor>& seq_lens,
+                                     std::string qreduce, at::Tensor out) {
+    window_scores_out(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, out);
   }
   static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
                                      std::string mode, int64_t window,
@@ -86,6 +101,7 @@ struct OpsFor {
 
   static void register_all(torch::Library& m) {
     m.impl("window_scores", &window_scores_impl);
+    m.impl("window_scores_out", &window_scores_out_impl);
     m.impl("pool_scores", &pool_scores_impl);
     m.impl("select_keep", &select_keep_impl);
     m.impl("gather_kv", &gather_kv_impl);

@@ -3,7 +3,10 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(kvprune, m) {
-  m.def("window_scores(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens) -> Tensor");
+  m.def("window_scores(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens, "
+        "str qreduce=\"sum\") -> Tensor");
+  m.def("window_scores_out(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens, "
+        "str qreduce, Tensor(a!) out) -> ()");
   m.def("pool_scores(Tensor scores, int kernel_size, str mode, int window, Tensor? seq_lens) -> Tensor");
   m.def("select_keep(Tensor scores, int budget, int n_sink, int window, Tensor? seq_lens) -> Tensor");
   m.def("gather_kv(Tensor k, Tensor v, Tensor idx) -> (Tensor, Tensor)");

@@ -12,8 +12,13 @@ def _kept(k: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("kvprune::window_scores")
-def _window_scores(q, k, lse, scale, gqa, seq_lens):
+def _window_scores(q, k, lse, scale, gqa, seq_lens, qreduce="sum"):
     return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
+
+
+@torch.library.register_fake("kvprune::window_scores_out")
+def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out):
+    return None
 
 
 @torch.library.register_fake("kvprune::pool_scores")

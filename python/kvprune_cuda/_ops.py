@@ -36,6 +36,8 @@ def window_scores(
     scale: Optional[float] = None,
     gqa: str = "mean",
     seq_lens: Optional[torch.Tensor] = None,
+    qreduce: str = "sum",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention mass each cached key receives from the last W queries (SnapKV voting).
 
@@ -46,12 +48,24 @@ def window_scores(
             (as returned by flash attention); skips the normalisation pass.
         scale: softmax scale, default 1/sqrt(D).
         gqa: how the G = Hq/Hkv query heads of a KV head combine: "mean", "max" or "sum".
-        seq_lens: optional int32 [B] valid lengths (right padding).
+        seq_lens: optional int32 [B] valid lengths n (right padding).
+        qreduce: how each query head combines its W queries' probabilities per key:
+            "sum" (SnapKV) or "max" (KVzip-style; masked pairs count as 0). "max"
+            keeps extra memory bounded independently of W * N (thousands of queries).
+        out: optional existing fp32 contiguous [B, Hkv, M] scores, 1 <= M <= N. Only
+            keys [0, M) are scored (the softmax still covers all visible keys [0, n))
+            and folded into ``out`` in place: ``max(out, new)`` for qreduce "max",
+            ``out + new`` for "sum", where ``new`` is what the call returns without
+            ``out`` (0 at positions >= n, so there "sum" leaves out unchanged and "max"
+            gives max(out, 0)). Chunks of queries fold one after another into one out.
 
     Returns:
-        fp32 [B, Hkv, N]; positions >= seq_lens[b] are 0.
+        fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.
     """
-    return _ops.window_scores(q, k, lse, scale, gqa, seq_lens)
+    if out is None:
+        return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce)
+    _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out)
+    return out
 
 
 def pool_scores(

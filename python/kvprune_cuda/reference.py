@@ -35,6 +35,8 @@ def window_scores(
     scale: Optional[float] = None,
     gqa: str = "mean",
     seq_lens: Optional[torch.Tensor] = None,
+    qreduce: str = "sum",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention mass each key receives from the last W queries, per KV head.
 
@@ -42,13 +44,18 @@ def window_scores(
     length); k [B,Hkv,N,D]. Query i sees keys j <= n-W+i. Without lse the softmax is
     normalised over the visible keys; with lse [B,Hq,W] the probabilities are
     exp(q.k*scale - lse). Queries at negative positions (n < W) contribute nothing.
+    Per query head the W probabilities of key j combine by qreduce: "sum", or "max"
+    (invisible pairs count as 0); then the group's heads combine by gqa.
     Returns fp32 [B,Hkv,N]; positions >= n are 0.
+    With out (fp32 [B,Hkv,M], 1 <= M <= N) returns fold(out, new[..., :M]) instead,
+    new being the result above and fold max (qreduce "max") or + ("sum"); out itself
+    is not modified here.
     """
     batch, q_heads, window, head_dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
+    scores = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
     for b, n in enumerate(_row_lengths(batch, length, seq_lens)):
         positions = torch.arange(n - window, n)  # position of each window query
         visible = torch.arange(n)[None, :] <= positions[:, None]  # [W, n]
@@ -59,15 +66,19 @@ def window_scores(
                 probs = torch.softmax(logits, dim=-1)
             else:
                 probs = torch.exp(logits - lse[b, h].double().cpu()[:, None])
-            probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows (n < W)
-            summed = probs.sum(dim=0)  # [n]
+            probs = torch.nan_to_num(probs, nan=0.0).masked_fill(~visible, 0.0)  # rows with n < W
+            per_head = probs.amax(dim=0) if qreduce == "max" else probs.sum(dim=0)  # [n]
             g = h // group
             first = h % group == 0
             if gqa == "max":
-                out[b, g, :n] = summed if first else torch.maximum(out[b, g, :n], summed)
+                scores[b, g, :n] = per_head if first else torch.maximum(scores[b, g, :n], per_head)
             else:
-                out[b, g, :n] += summed / (group if gqa == "mean" else 1)
-    return out.float()
+                scores[b, g, :n] += per_head / (group if gqa == "mean" else 1)
+    if out is None:
+        return scores.float()
+    new = scores[..., : out.shape[2]]
+    old = out.double().cpu()
+    return (torch.maximum(old, new) if qreduce == "max" else old + new).float()
 
 
 def pool_scores(

@@ -27,6 +27,8 @@ struct Ws {
   Ws& offset(size_t bytes) { q_offset = bytes; return *this; }
   Ws& with_lse() { lse = true; return *this; }
   Ws& gqa(GqaReduce r) { reduce = r; return *this; }
+  Ws& qmax() { qreduce = kvprune::QueryReduce::kMax; return *this; }
+  Ws& fold(int64_t m) { fold_length = m; return *this; }
   Ws& ragged(std::vector<int32_t> lens) { seq_lens = std::move(lens); return *this; }
   Ws& sm_counts(std::vector<int> s) { sms = std::move(s); return *this; }
   Ws& shuffle() { shuffled = true; return *this; }
@@ -39,6 +41,8 @@ struct Ws {
   size_t q_offset = 0;   // bytes the q pointer sits past a 64-byte boundary
   bool lse = false;
   GqaReduce reduce = GqaReduce::kMean;
+  kvprune::QueryReduce qreduce = kvprune::QueryReduce::kSum;
+  int64_t fold_length = 0;  // > 0: scores [B, Hkv, M] hold earlier scores, folded into
   std::vector<int32_t> seq_lens;
   std::vector<int> sms = {132};
   bool shuffled = false;
@@ -94,6 +98,8 @@ void window_scores_case(const Ws& s) {
   p.head_dim = s.D;
   p.scale = 1.f / std::sqrt(static_cast<float>(s.D));
   p.reduce = s.reduce;
+  p.qreduce = s.qreduce;
+  p.fold_length = s.fold_length;
   if (!s.seq_lens.empty()) {
     Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
     set_ints(lens, s.seq_lens);
@@ -104,7 +110,10 @@ void window_scores_case(const Ws& s) {
     fill_lse(lse, q, qt, k, kt, s, p.scale);
     p.lse = lse.as<float>();
   }
-  Buffer& scores = c.add("scores", Role::kOut, Elem::kF32, s.B * s.Hkv * s.N, within(score_tol(s.dtype), s.N));
+  const int64_t row = s.fold_length > 0 ? s.fold_length : s.N;
+  Buffer& scores = c.add("scores", s.fold_length > 0 ? Role::kInOut : Role::kOut, Elem::kF32,
+                         s.B * s.Hkv * row, within(score_tol(s.dtype), row));
+  if (s.fold_length > 0) fill_uniform(scores, -0.2f, 0.5f);
   p.scores = scores.as<float>();
   c.run(
       [&] {
@@ -164,6 +173,20 @@ void window_scores_cases() {
                          .with_lse().gqa(GqaReduce::kMax).ragged({200, 37})
                          .expect("mma_kernel<__nv_bfloat16, 256, window_scores_impl::Pass::kProbs>")
                          .expect(split));
+  // qreduce = max (kProbsMax) and folding into existing [B, Hkv, M] scores (exact-size
+  // buffers: keys >= M must never be touched).
+  window_scores_case(Ws("window_scores qmax bf16 D=64 mma W=40 G=3 fold M=150 seq{200,0,90}", bf16, 3, 6, 2,
+                        200, 40, 64)
+                         .qmax().fold(150).ragged({200, 0, 90}).sm_counts({1, 132}).shuffle()
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbsMax>"));
+  window_scores_case(Ws("window_scores qmax fp32 D=24 simt W=33 lse max", f32, 1, 4, 2, 300, 33, 24)
+                         .qmax().with_lse().gqa(GqaReduce::kMax).expect(simt_f32));
+  window_scores_case(Ws("window_scores qmax fp16 D=256 mma split G=3 W=200 fold M=100 sum", f16, 1, 3, 1,
+                        260, 200, 256)
+                         .qmax().fold(100).gqa(GqaReduce::kSum).expect(split)
+                         .expect("mma_kernel<__half, 256, window_scores_impl::Pass::kProbsMax>"));
+  window_scores_case(Ws("window_scores qsum fold M=77 fp16 D=128 mma lse", f16, 1, 4, 1, 300, 20, 128)
+                         .fold(77).with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs>"));
 }
 
 // ---- pool_scores --------------------------------------------------------------------------

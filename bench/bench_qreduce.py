@@ -1,0 +1,92 @@
+"""CPU time and peak extra memory of window_scores(qreduce="max") on a KVzip-size chunk.
+
+Shape (default): B=1, Hq=14, Hkv=2 (G=7), W=2048 reconstruction queries, D=64, N=6000
+keys, all scored (no lse: two passes). Peer: the best plain-PyTorch version we could
+write, per KV head (no repeated K): the [G*W, N] fp32 logits, causal mask, softmax,
+max over each head's rows, mean over the group. Each method runs in a fresh
+subprocess; "peak extra" is the growth of its peak RSS over the inputs alone.
+
+    python bench/bench_qreduce.py [--dtype float32|bfloat16] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+B, HQ, HKV, W, D, N = 1, 14, 2, 2048, 64, 6000
+
+
+def inputs(dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HQ, W, D, generator=gen).to(dtype)
+    k = torch.randn(B, HKV, N, D, generator=gen).to(dtype)
+    return q, k
+
+
+def peer(q, k):
+    """Plain PyTorch, per KV head: materialised fp32 softmax, max over rows."""
+    group = HQ // HKV
+    visible = torch.arange(N)[None, :] <= torch.arange(N - W, N)[:, None]  # [W, N]
+    out = torch.empty(B, HKV, N)
+    for b in range(B):
+        for g in range(HKV):
+            qg = q[b, g * group:(g + 1) * group].float().reshape(group * W, D)
+            logits = (qg @ k[b, g].float().T / math.sqrt(D)).view(group, W, N)
+            logits.masked_fill_(~visible, float("-inf"))
+            out[b, g] = torch.softmax(logits, dim=-1).amax(dim=1).mean(dim=0)
+    return out
+
+
+def ours(q, k):
+    import kvprune_cuda as kp
+    return kp.window_scores(q, k, qreduce="max")
+
+
+def run_one(method: str, dtype: str, reps: int) -> dict:
+    q, k = inputs(getattr(torch, dtype))
+    fn = ours if method == "kvprune" else peer
+    if method == "kvprune":
+        import kvprune_cuda  # noqa: F401  (load the library before the baseline RSS)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = fn(q, k)  # warm-up (and the peak)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(q, k)
+        times.append(time.perf_counter() - t0)
+    return {"method": method, "dtype": dtype, "ms": 1e3 * min(times),
+            "peak_extra_mb": (peak - base) / 1024, "checksum": float(result.double().sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.method:
+        print(json.dumps(run_one(args.method, args.dtype, args.reps)))
+        return
+    rows = []
+    for method in ("kvprune", "peer"):
+        out = subprocess.run([sys.executable, __file__, "--method", method, "--dtype", args.dtype,
+                              "--reps", str(args.reps)], check=True, capture_output=True, text=True)
+        rows.append(json.loads(out.stdout))
+    print(f"B={B} Hq={HQ} Hkv={HKV} W={W} D={D} N={N} {args.dtype}, threads={torch.get_num_threads()}")
+    for r in rows:
+        print(f"  {r['method']:8s} {r['ms']:9.1f} ms   peak extra {r['peak_extra_mb']:8.1f} MB"
+              f"   (checksum {r['checksum']:.4f})")
+    print(f"  speedup {rows[1]['ms'] / rows[0]['ms']:.2f}x, memory {rows[1]['peak_extra_mb'] / max(rows[0]['peak_extra_mb'], 0.1):.0f}x less")
+
+
+if __name__ == "__main__":
+    main()
