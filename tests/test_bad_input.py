@@ -178,15 +178,14 @@ CASES = [
     ("pool-kernel-float", lambda x: kp.pool_scores(x.scores, 7.0), TE, r"kernel_size"),
     ("select-budget-bool", lambda x: kp.select_keep(x.scores, True, window=W), TE, r"budget"),
     ("streaming-sink-str", lambda x: kp.streaming(x.k, x.v, 8, n_sink="4"), TE, r"n_sink"),
+    ("ws-gqa-none", lambda x: kp.window_scores(x.q, x.k, gqa=None), TE, r"gqa"),
+    ("ws-qreduce-int", lambda x: kp.window_scores(x.q, x.k, qreduce=1), TE, r"qreduce"),
 ]
 
 
 # Cases the library does not handle as specified yet: strict xfail, so a fix turns them red
-# (XPASS) until they move to CASES. Wrongly typed scalars reach the dispatcher's schema check,
-# which raises RuntimeError, not the TypeError the public API promises.
-XFAIL_CASES = [
-    ("ws-gqa-none", lambda x: kp.window_scores(x.q, x.k, gqa=None), TE, r"gqa"),
-]
+# (XPASS) until they move to CASES. None at the moment.
+XFAIL_CASES: list = []
 
 
 def as_params(cases, marks=()):

@@ -62,6 +62,9 @@ def window_scores(
     Returns:
         fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.
     """
+    check_scale(scale)
+    check_str("gqa", gqa, ("mean", "max", "sum"))
+    check_str("qreduce", qreduce, ("sum", "max"))
     if out is None:
         return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce)
     _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out)
