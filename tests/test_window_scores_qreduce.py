@@ -100,12 +100,14 @@ def test_ragged_seq_lens(qreduce, fold, with_lse, dtype, device, gen):
     assert_scores_close(got, expected, score_tol(device, dtype), None if fold else seq_lens)
 
 
-# D 128 (tensor cores) and D 24 (CUDA cores), odd W and N.
-@pytest.mark.parametrize("head_dim", [24, 128])
+# D 128 and 256 (tensor cores for fp16/bf16 when 16-byte aligned; the sliced layout is
+# misaligned and takes the CUDA cores) and D 24 (CUDA cores), odd W and N.
+@pytest.mark.parametrize("layout", ["contig", "sliced"])
+@pytest.mark.parametrize("head_dim", [24, 128, 256])
 @pytest.mark.parametrize("fold", [False, True], ids=["fresh", "fold"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_head_dims(dtype, fold, head_dim, device, gen):
-    q, k = inputs(1, 2, 4, 99, 17, head_dim, dtype, device, gen, layout="sliced")
+def test_head_dims(dtype, fold, head_dim, layout, device, gen):
+    q, k = inputs(1, 2, 4, 99, 17, head_dim, dtype, device, gen, layout=layout)
     out = initial_out(1, 2, 61, device, gen) if fold else None
     expected = ref.window_scores(q, k, gqa="max", qreduce="max", out=out)
     got = kp.window_scores(q, k, gqa="max", qreduce="max", out=out)
