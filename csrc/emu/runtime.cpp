@@ -186,6 +186,9 @@ class BlockRun {
     for (int i = 0; i < size_; ++i) threads_[i] = pool_.threads[i].get();
     warps_.resize((size_ + kWarpSize - 1) / kWarpSize);
     allowed_dynamic_smem_ = allowed_dynamic_smem(launch.kernel.id);
+    // Exactly the requested bytes (AddressSanitizer sees any access past them), one
+    // allocation for all blocks this worker runs, refilled at every block start.
+    dynamic_smem_.reset(static_cast<char*>(std::malloc(std::max<size_t>(launch.dynamic_smem, 1))));
   }
 
   // Runs one block; false (and *error set) when it broke a rule.
@@ -196,12 +199,9 @@ class BlockRun {
                           static_cast<unsigned>(linear_block / g.x / g.y)};
     context_.block_dim = b;
     context_.grid_dim = g;
-    // Exactly the requested bytes (AddressSanitizer sees any access past them),
-    // filled with 0xff so that reads before writes show (NaN, -1).
-    std::unique_ptr<char, decltype(&std::free)> smem(
-        static_cast<char*>(std::malloc(std::max<size_t>(launch_.dynamic_smem, 1))), &std::free);
-    std::memset(smem.get(), 0xff, launch_.dynamic_smem);
-    context_.dynamic_smem = launch_.dynamic_smem > 0 ? smem.get() : nullptr;
+    // Shared memory is filled with 0xff so that reads before writes show (NaN, -1).
+    std::memset(dynamic_smem_.get(), 0xff, launch_.dynamic_smem);
+    context_.dynamic_smem = launch_.dynamic_smem > 0 ? dynamic_smem_.get() : nullptr;
     for (const auto& s : static_shared_) std::memset(s.data, 0xff, s.bytes);
     for (int i = 0; i < size_; ++i) {
       EmuThread* t = threads_[i];
@@ -484,6 +484,10 @@ class BlockRun {
     size_t bytes;
   };
   std::vector<StaticShared> static_shared_;  // this launch's static shared variables
+  struct FreeBytes {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, FreeBytes> dynamic_smem_;  // [launch.dynamic_smem] bytes
   size_t static_bytes_ = 0;
   size_t allowed_dynamic_smem_ = 0;
   uint64_t linear_block_ = 0;
@@ -565,19 +569,21 @@ int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
     return cudaErrorLaunchFailure;
   }
   const uint64_t threads = static_cast<uint64_t>(block.x) * block.y * block.z;
-  const std::string where = format("kvprune emulator: launch of %s with grid (%u,%u,%u), block (%u,%u,%u)",
-                                   kernel.name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+  const auto where = [&] {  // only built for a failing launch
+    return format("kvprune emulator: launch of %s with grid (%u,%u,%u), block (%u,%u,%u)",
+                  kernel.name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+  };
   if (threads == 0 || threads > kMaxThreadsPerBlock || block.z > kMaxBlockDimZ)
-    return config_error(where + format(": a block has 1 to %u threads (block.z <= %u)",
-                                       kMaxThreadsPerBlock, kMaxBlockDimZ));
+    return config_error(where() + format(": a block has 1 to %u threads (block.z <= %u)",
+                                         kMaxThreadsPerBlock, kMaxBlockDimZ));
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kMaxGridDimX ||
       grid.y > kMaxGridDimYZ || grid.z > kMaxGridDimYZ)
-    return config_error(where + ": grid dimensions out of range (x < 2^31, y, z <= 65535)");
+    return config_error(where() + ": grid dimensions out of range (x < 2^31, y, z <= 65535)");
   const size_t allowed = allowed_dynamic_smem(kernel.id);
   if (dynamic_smem > allowed)
-    return config_error(where + format(": %zu bytes of dynamic shared memory, the kernel allows %zu "
-                                       "(48 KB unless cudaFuncSetAttribute raised it)",
-                                       dynamic_smem, allowed));
+    return config_error(where() + format(": %zu bytes of dynamic shared memory, the kernel allows %zu "
+                                         "(48 KB unless cudaFuncSetAttribute raised it)",
+                                         dynamic_smem, allowed));
   count_launch(kernel.name);
   Launch state;
   state.kernel = kernel;
