@@ -76,16 +76,10 @@ void fill_lse(Buffer& lse, const Buffer& q, const Tokens& qt, const Buffer& k, c
   }
 }
 
-void window_scores_case(const Ws& s) {
-  Case c(s.name);
-  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
-  const Elem e = elem_of(s.dtype);
-  const Tokens qt = layout(s.bnhd_view, s.B, s.Hq, s.W, s.D, s.pad);
-  const Tokens kt = layout(s.bnhd_view, s.B, s.Hkv, s.N, s.D, s.pad);
-  Buffer& q = c.add("q", Role::kIn, e, qt.span, exact(), s.q_offset);
-  Buffer& k = c.add("k", Role::kIn, e, kt.span);
-  fill_normal(q);
-  fill_normal(k);
+// The window_scores params of shape s over q and k (scores pointer unset), adding the
+// seq_lens and lse inputs the shape asks for to case c.
+kvprune::WindowScoresParams scores_params(Case& c, const Ws& s, Buffer& q, const Tokens& qt,
+                                          Buffer& k, const Tokens& kt) {
   kvprune::WindowScoresParams p;
   p.q = ctok(q, qt);
   p.k = ctok(k, kt);
@@ -110,6 +104,20 @@ void window_scores_case(const Ws& s) {
     fill_lse(lse, q, qt, k, kt, s, p.scale);
     p.lse = lse.as<float>();
   }
+  return p;
+}
+
+void window_scores_case(const Ws& s) {
+  Case c(s.name);
+  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
+  const Elem e = elem_of(s.dtype);
+  const Tokens qt = layout(s.bnhd_view, s.B, s.Hq, s.W, s.D, s.pad);
+  const Tokens kt = layout(s.bnhd_view, s.B, s.Hkv, s.N, s.D, s.pad);
+  Buffer& q = c.add("q", Role::kIn, e, qt.span, exact(), s.q_offset);
+  Buffer& k = c.add("k", Role::kIn, e, kt.span);
+  fill_normal(q);
+  fill_normal(k);
+  kvprune::WindowScoresParams p = scores_params(c, s, q, qt, k, kt);
   const int64_t row = s.fold_length > 0 ? s.fold_length : s.N;
   Buffer& scores = c.add("scores", s.fold_length > 0 ? Role::kInOut : Role::kOut, Elem::kF32,
                          s.B * s.Hkv * row, within(score_tol(s.dtype), row));
@@ -312,28 +320,8 @@ void snapkv_case(const Ws& s, int64_t budget, int64_t pool, PoolMode mode) {
   Buffer& out_k = c.add("out_k", Role::kOut, e, ot.span);
   Buffer& out_v = c.add("out_v", Role::kOut, e, ot.span);
   kvprune::SnapKvParams p;
-  auto& sc = p.scores;
-  sc.q = ctok(q, qt);
-  sc.k = ctok(k, kt);
-  sc.dtype = s.dtype;
-  sc.batch = s.B;
-  sc.q_heads = s.Hq;
-  sc.kv_heads = s.Hkv;
-  sc.length = s.N;
-  sc.window = s.W;
-  sc.head_dim = s.D;
-  sc.scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  sc.reduce = s.reduce;
-  if (!s.seq_lens.empty()) {
-    Buffer& lens = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
-    set_ints(lens, s.seq_lens);
-    sc.seq_lens = lens.as<int32_t>();
-  }
-  if (s.lse) {
-    Buffer& lse = c.add("lse", Role::kIn, Elem::kF32, s.B * s.Hq * s.W);
-    fill_lse(lse, q, qt, k, kt, s, sc.scale);
-    sc.lse = lse.as<float>();
-  }
+  p.scores = scores_params(c, s, q, qt, k, kt);
+  const auto& sc = p.scores;
   auto& se = p.select;
   se.seq_lens = sc.seq_lens;
   se.keep_idx = idx.as<int32_t>();
