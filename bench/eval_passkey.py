@@ -49,6 +49,12 @@ ANSWER_PREFIX = "The pass key is"
 
 def build_prompt(tok, novels, n_tokens, depth, key, rng):
     """(context ids, question ids): chat-formatted, haystack of ~n_tokens with the needle at depth."""
+    return build_haystack(tok, novels, n_tokens, [(depth, NEEDLE.format(key=key))], QUESTION, rng)
+
+
+def build_haystack(tok, novels, n_tokens, needles, question, rng, answer_prefix=ANSWER_PREFIX):
+    """(context ids [1, n], question ids [1, q], novel): ``needles`` [(depth, text)] hidden in a
+    random stretch of a novel; the prompt totals ~n_tokens (template, question included)."""
     head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
                                    add_generation_prompt=True)
     pre, post = head.split("@@")
@@ -57,12 +63,15 @@ def build_prompt(tok, novels, n_tokens, depth, key, rng):
     text = novels[name]
     start = rng.randrange(0, len(text) - 8 * n_tokens)
     hay = ids(" ".join(text[start: start + 6 * n_tokens].split()))
-    p_ids, q_ids = ids(pre + PREAMBLE), ids(QUESTION + post + ANSWER_PREFIX)
-    needle = ids(NEEDLE.format(key=key))
-    n_hay = n_tokens - len(p_ids) - len(q_ids) - len(needle)
-    hay = hay[:n_hay]
-    cut = int(round(depth * len(hay)))
-    ctx = p_ids + hay[:cut] + needle + hay[cut:]
+    p_ids, q_ids = ids(pre + PREAMBLE), ids(question + post + answer_prefix)
+    pieces = sorted((d, ids(t)) for d, t in needles)
+    hay = hay[:n_tokens - len(p_ids) - len(q_ids) - sum(len(t) for _, t in pieces)]
+    ctx, last = list(p_ids), 0
+    for depth, needle in pieces:
+        cut = int(round(depth * len(hay)))
+        ctx += hay[last:cut] + needle
+        last = cut
+    ctx += hay[last:]
     return torch.tensor([ctx]), torch.tensor([q_ids]), name
 
 

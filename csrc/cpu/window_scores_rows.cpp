@@ -8,16 +8,22 @@
 namespace kvprune::cpu {
 namespace {
 
-// Masks keys [first, first+count) of a tile of packed rows [row0, row0 + block_rows).
+// Masks keys [first, first+count) of a tile of packed rows [row0, row0 + block_rows):
+// key j is hidden from window query i (packed row h*W + i) iff i < j - window_start,
+// a prefix of each head's rows, so each (key, head) masks one contiguous run.
 void apply_causal_mask(const HeadView& head, int64_t row0, int64_t block_rows, int64_t first,
                        int64_t count, float* tile) {
   const WindowScoresParams& p = *head.p;
   const int64_t rows = std::min(p.q_heads / p.kv_heads * p.window, row0 + block_rows);
   const int64_t window_start = head.len - p.window;
-  for (int64_t j = std::max(first, window_start); j < first + count; ++j) {
+  for (int64_t j = std::max(first, window_start + 1); j < first + count; ++j) {
     float* line = tile + (j - first) * block_rows - row0;
-    for (int64_t r = row0; r < rows; ++r)
-      if (j > window_start + r % p.window) line[r] = -std::numeric_limits<float>::infinity();
+    const int64_t hidden = std::min(j - window_start, p.window);  // queries [0, hidden) of a head
+    for (int64_t h = row0 / p.window; h * p.window < rows; ++h) {
+      const int64_t begin = std::max(row0, h * p.window);
+      const int64_t end = std::min(rows, h * p.window + hidden);
+      if (begin < end) std::fill(line + begin, line + end, -std::numeric_limits<float>::infinity());
+    }
   }
 }
 

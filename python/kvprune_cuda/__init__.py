@@ -19,6 +19,7 @@ from kvprune_cuda._ops import (
     streaming,
     window_scores,
 )
+from kvprune_cuda.budget import layer_budgets
 from kvprune_cuda.decode import (
     DecodeCache,
     Rope,
@@ -49,6 +50,7 @@ __all__ = [
     "snapkv",
     "streaming",
     "window_scores",
+    "layer_budgets",
     "DecodeCache",
     "Rope",
     "decode_scores",

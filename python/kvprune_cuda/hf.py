@@ -46,8 +46,9 @@ from typing import Iterator, Optional, Union
 import torch
 
 import kvprune_cuda as kp
+from kvprune_cuda._hf_lse import attention_lse
 
-POLICIES = ("full", "streaming", "snapkv", "h2o")
+POLICIES = ("full", "streaming", "snapkv", "h2o", "kvzip")
 
 
 def resolve_budget(budget: Union[int, float], n: int) -> int:
@@ -112,6 +113,7 @@ class _Layer:
         self.q_win: Optional[torch.Tensor] = None   # [B, Hq, <=W, D]
         self.h2o: Optional[torch.Tensor] = None     # fp32 [B, Hkv, L], aligned with cache slots
         self.valid: Optional[torch.Tensor] = None   # bool [B, Hkv, L]; None = not compressed
+        self.kvzip: Optional[torch.Tensor] = None   # fp32 [B, Hkv, n] reconstruction scores
         self.cap: Optional[int] = None               # decode capacity (streaming / h2o)
 
 
@@ -119,7 +121,9 @@ class KVCompressor:
     """Hooks that make ``model`` compress its DynamicCache. Prefer :func:`compress`.
 
     ``compress_on_prefill=False`` only records queries / scores (for :meth:`compress_cache`,
-    e.g. to compress one captured prefill under several policies).
+    e.g. to compress one captured prefill under several policies). Policy ``"kvzip"`` needs
+    reconstruction forwards after the prefill (:meth:`score_reconstruction`; use
+    :func:`compress_context`), so it only records.
     """
 
     def __init__(self, model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *,
@@ -128,6 +132,9 @@ class KVCompressor:
                  track_h2o: Optional[bool] = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if policy == "kvzip" and compress_on_prefill:
+            raise ValueError("policy: 'kvzip' scores by reconstructing the context after its "
+                             "prefill; use kp.hf.compress_context")
         if isinstance(budget, int) and policy != "full" and budget < n_sink + window:
             raise ValueError(f"budget: {budget} tokens < n_sink + window = {n_sink + window}")
         resolve_budget(budget, 1)
@@ -143,6 +150,7 @@ class KVCompressor:
         if not self.attn:
             raise ValueError("model: no attention modules with q_proj/k_proj/layer_idx found")
         self._handles: list = []
+        self._reconstructing: Optional[int] = None  # context length while scoring a reconstruction
         params = inspect.signature(self.base.forward).parameters
         self._has_cache_position = "cache_position" in params
         self.reset()
@@ -257,6 +265,9 @@ class KVCompressor:
         hs = kwargs.get("hidden_states", args[0] if args else None)
         q_len = hs.shape[1]
         k, v = cache_kv(cache, i)
+        if self._reconstructing is not None:
+            self._fold_reconstruction(module, st, hs, kwargs["position_embeddings"], k)
+            return output
         if self.policy == "full" and self.compress_on_prefill and st.valid is None:
             if self.seen == 0 and k.shape[2] == q_len:  # nothing to record: plain attention
                 self.prompt_len = self.kept = q_len
@@ -304,6 +315,59 @@ class KVCompressor:
             raise ValueError("attention_mask: only left padding is supported")
         return pad
 
+    def score_reconstruction(self, forward_chunks, gqa: Optional[str] = None) -> None:
+        """KVzip scoring: runs ``forward_chunks()`` (teacher-forced reconstruction forwards on
+        the uncompressed cache of a context of ``self.seen`` tokens) and folds, per layer, the
+        maximum attention probability each context key gets from any reconstruction query
+        (``kp.window_scores(qreduce="max", out=...)``: the softmax covers every visible key,
+        context and reconstruction tokens alike; ``gqa``, default the compressor's, combines
+        the query heads of a KV group). ``forward_chunks`` crops the cache back to the
+        context after each forward."""
+        n = self.seen
+        if self._left_pad(n) is not None:
+            raise ValueError("context_ids: kvzip scoring needs rows without padding")
+        snap = self.snapshot()
+        self._reconstructing, self._reconstruct_gqa = n, gqa or self.gqa
+        self._reconstruct_lse = {}
+        try:
+            with attention_lse(self.model, self._reconstruct_lse):
+                forward_chunks()
+        finally:
+            self._reconstructing, self._reconstruct_lse = None, {}
+            scores = {i: s.kvzip for i, s in self.layers.items()}
+            self.restore(snap)
+        for i, s in scores.items():
+            self.layers[i].kvzip = s
+
+    def _fold_reconstruction(self, module, st: _Layer, hs, rope, k) -> None:
+        """One chunk's maxima into st.kvzip, with the queries and lse of the layer's own
+        attention call when it gave them (``_hf_lse``), else recomputed (two passes)."""
+        qn, lse = self._reconstruct_lse.pop(module.layer_idx, (None, None))
+        if qn is None:
+            qn = self._queries(module, hs, *rope)
+        if st.kvzip is None:
+            st.kvzip = torch.zeros(k.shape[0], k.shape[1], self._reconstructing,
+                                   dtype=torch.float32, device=k.device)
+        kp.window_scores(qn.to(k.dtype), k, lse=lse, scale=getattr(module, "scaling", None),
+                         gqa=self._reconstruct_gqa, qreduce="max", out=st.kvzip)
+
+    def selection_scores(self, cache, i: int, policy: Optional[str] = None) -> torch.Tensor:
+        """fp32 [B, Hkv, n]: the scores by which ``policy`` ranks layer ``i``'s (uncompressed,
+        unpadded) cache: pooled window scores (snapkv), accumulated attention (h2o) or
+        reconstruction maxima (kvzip)."""
+        policy = policy or self.policy
+        st = self.layers[i]
+        k = cache_kv(cache, i)[0]
+        if self._left_pad(k.shape[2]) is not None:
+            raise ValueError("attention_mask: per-layer budgets need rows without padding")
+        if policy == "snapkv":
+            s = kp.window_scores(st.q_win, k, gqa=self.gqa)
+            return kp.pool_scores(s, self.kernel_size, self.pool, window=self.window)
+        s = {"h2o": st.h2o, "kvzip": st.kvzip}.get(policy)
+        if s is None:
+            raise ValueError(f"policy: {policy!r} has no scores recorded for layer {i}")
+        return s
+
     def _accumulate_h2o(self, st: _Layer, qn: torch.Tensor, k: torch.Tensor) -> None:
         pad = self._left_pad(k.shape[2]) if st.valid is None else None
         if pad is None:
@@ -346,10 +410,12 @@ class KVCompressor:
             kk, vv, idx = kp.snapkv(st.q_win, k, v, kb, n_sink=self.n_sink, window=self.window,
                                     kernel_size=self.kernel_size, pool=self.pool, gqa=self.gqa,
                                     seq_lens=lens)
-        elif policy == "h2o":
-            if st.h2o is None:
-                raise RuntimeError("h2o: no accumulated scores (track_h2o=False?)")
-            s = st.h2o if pad is None else _shift_rows(st.h2o, pad, 2)
+        elif policy in ("h2o", "kvzip"):
+            s = st.h2o if policy == "h2o" else st.kvzip
+            if s is None:
+                raise RuntimeError(f"{policy}: no scores recorded (h2o: track_h2o=False?; "
+                                   "kvzip: score_reconstruction not run)")
+            s = s if pad is None else _shift_rows(s, pad, 2)
             idx = kp.select_keep(s.contiguous(), kb, n_sink=self.n_sink, window=self.window,
                                  seq_lens=lens)
             kk, vv = kp.gather_kv(k, v, idx)
@@ -359,6 +425,7 @@ class KVCompressor:
             s = st.h2o if pad is None else _shift_rows(st.h2o, pad, 2)
             st.h2o = torch.gather(s, 2, idx.clamp_min(0).long()) * (idx >= 0)
         set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+        st.kvzip = None
         st.valid = idx >= 0
         st.cap = kb if policy in ("streaming", "h2o") else None
         self.kept = kb
@@ -412,3 +479,13 @@ def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, 
         yield kvc
     finally:
         kvc.detach()
+
+
+def __getattr__(name):
+    # kp.hf.compress_context / CompressedContext live in hf_context, which imports this module:
+    # resolved on first use, so either module can be imported first.
+    if name in ("CompressedContext", "compress_context", "RepeatPrompt"):
+        from kvprune_cuda import hf_context
+
+        return getattr(hf_context, name)
+    raise AttributeError(f"module 'kvprune_cuda.hf' has no attribute {name!r}")

@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Compress a context once, then ask: query-agnostic passkey retrieval, KVzip against the rest.
+
+Same model, text and needles as ``eval_passkey.py``; here the context is always compressed
+before the question arrives (a chat or a prefix cache reusing one compressed context), the
+setting where SnapKV's voting window holds no question. Three parts:
+
+1. Table: per trial, every policy x budget (fractions of the context's tokens per layer) on the
+   very same token ids: ``kp.hf`` full, streaming, snapkv, h2o, kvzip (uniform per layer) and
+   kvzip-global (``kp.layer_budgets``), and kvpress 0.5.5's ``SnapKVPress`` (its ``compress`` on
+   the recorded layer inputs) and ``KVzipPress`` (its own context manager: prefill, its
+   reconstruction, its ``compress_post``; default = global over layers and heads,
+   ``-layer`` = ``layerwise=True``). Cost control: the context is prefilled and kvzip-scored
+   once per trial (``KVCompressor`` + ``score_reconstruction``, exactly what
+   ``compress_context`` runs) and kvpress's KVzip scores once per trial; each budget then only
+   selects, asks and decodes. Scores do not depend on the budget.
+2. Timing and peak memory (first ``--time-trials`` trials, no hooks but the method's own):
+   plain prefill, ``kp.hf.compress_context`` kvzip / snapkv, kvpress ``KVzipPress``. The
+   answer of ``compress_context(kvzip)`` + ``kvc.generate`` is checked against part 1's.
+3. Three questions from one compression: three labelled pass keys in one context, one
+   ``kp.hf.compress_context`` per method, ``kvc.generate`` asked each question in turn.
+
+    .venv/bin/python bench/eval_context.py --tokens 4096 --trials-per-depth 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hf_common as common  # noqa: E402
+import eval_passkey as pk  # noqa: E402
+import timing  # noqa: E402
+
+import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda import hf, hf_context  # noqa: E402
+
+OURS = [("streaming", "layer"), ("snapkv", "layer"), ("h2o", "layer"), ("kvzip", "layer"),
+        ("kvzip", "global")]
+COLORS = ("red", "green", "blue")
+MULTI_METHODS = [("full", "layer"), ("kvzip", "layer"), ("kvzip", "global"), ("snapkv", "layer"),
+                 ("h2o", "layer")]
+
+
+def name_of(policy, scope, frac=None):
+    base = policy + ("-global" if scope == "global" else "")
+    return base if frac is None else f"{base}@{int(round(frac * 100))}%"
+
+
+def ratio_for(kb, n):
+    """kvpress compression_ratio keeping ``kb`` of ``n`` tokens (its int() floors the pruned count)."""
+    return 1.0 - (kb + 0.5) / n
+
+
+class _KVzipScores:
+    """kvpress's KVzipPress, keeping its score tensor so that other budgets reuse one scoring."""
+
+    def __init__(self, kvpress):
+        class Keep(kvpress.KVzipPress):
+            def compress_post(self, model):
+                self.kept_scores = self.score_val.clone()
+                super().compress_post(model)
+
+        self.cls, self.kvpress = Keep, kvpress
+
+    def run(self, model, ctx, ratio, n_sink, chunk_size):
+        """(scores [L, 1, Hkv, n], seconds, peak extra bytes) of one full KVzipPress prefill."""
+        press = self.cls(compression_ratio=ratio, n_sink=n_sink, chunk_size=chunk_size)
+
+        def go():
+            cache = pk.cache_from([])
+            with press(model), torch.no_grad():
+                model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            return cache
+
+        t0 = time.perf_counter()
+        peak, _, _ = timing.cpu_peak_extra_bytes(go)
+        return press.kept_scores, time.perf_counter() - t0, peak
+
+    def apply(self, model, scores, ratio, layerwise, n_sink):
+        press = self.kvpress.KVzipPress(compression_ratio=ratio, layerwise=layerwise, n_sink=n_sink)
+        press.score_val = scores.clone()
+        press.compress_post(model)
+
+
+def clear_masks(model):
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+
+
+def ask(model, tok, cache, qst, key, steps):
+    with torch.no_grad():
+        t0 = int(model(input_ids=qst, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+        toks = pk.decode(model, cache, t0, steps, tok, key)
+    text = tok.decode(toks)
+    return {"text": text, "hit": key in text, "toks": toks}
+
+
+def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
+    """{config: {text, hit, toks, kv_bytes, tokens_per_layer}} and kvpress KVzip's timing."""
+    n_layers, n = len(kvc.attn), ctx.shape[1]
+    cache = pk.cache_from([])
+    kvc.attach()
+    rec.__init__(model, args.window + 1)
+    with torch.no_grad():
+        model(input_ids=ctx, past_key_values=cache, use_cache=True)
+        rec_ctx = dict(rec.data)
+        rec.remove()
+        prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
+        kvc.score_reconstruction(lambda: hf_context._reconstruct(
+            kvc, cache, prompt.chunks(ctx, args.chunk_size), n), gqa="max")
+    snap, kv = kvc.snapshot(), pk.layers_of(cache, n_layers)
+    del cache
+    res, extra = {}, {}
+    attn = {m.layer_idx: m for m in kvc.attn}
+
+    def held(c):
+        return [hf.cache_kv(c, i)[0].shape[2] for i in range(n_layers)], hf.kv_bytes(c)
+
+    def as_full_cache():  # the uncompressed context, hooks told every slot is valid
+        kvc.restore(snap)
+        for i in range(n_layers):
+            kvc.layers[i].valid = torch.ones(kv[i][0].shape[:3], dtype=torch.bool)
+            kvc.layers[i].cap = kvc.layers[i].h2o = None
+        kvc.policy = "snapkv"  # no decode-time eviction
+        return pk.cache_from(kv)
+
+    c = as_full_cache()
+    tl, nb = held(c)
+    res["full"] = {**ask(model, tok, c, qst, key, args.gen_steps), "kv_bytes": nb, "tokens_per_layer": tl}
+    for frac in args.budgets:
+        kb = hf.resolve_budget(frac, n)
+        for pol, scope in OURS:
+            kvc.restore(snap)
+            c = pk.cache_from(kv)
+            kvc.window = args.kvzip_window if pol == "kvzip" else args.window
+            hf_context._compress(kvc, c, pol, kb, scope, n)
+            kvc.window = args.window
+            tl, nb = held(c)
+            res[name_of(pol, scope, frac)] = {**ask(model, tok, c, qst, key, args.gen_steps),
+                                               "kv_bytes": nb, "tokens_per_layer": tl}
+    kvc.detach()
+    if kvz is not None:
+        ratio20 = ratio_for(hf.resolve_budget(0.2, n), n)
+        scores, secs, peak = kvz.run(model, ctx, ratio20, args.n_sink, args.chunk_size)
+        extra["kvpress_kvzip_seconds"], extra["kvpress_kvzip_peak_extra_bytes"] = secs, peak
+        clear_masks(model)
+        snap_press = kvz.kvpress.SnapKVPress
+        kvc.attach()
+        for frac in args.budgets:
+            kb = hf.resolve_budget(frac, n)
+            for layerwise in (False, True):
+                c = as_full_cache()
+                kvz.apply(model, scores, ratio_for(kb, n), layerwise, args.n_sink)
+                kept = [int(attn[i].masked_key_indices[0].numel()) for i in range(n_layers)]
+                name = "kvpress-kvzip" + ("-layer" if layerwise else "")
+                r = ask(model, tok, c, qst, key, args.gen_steps)
+                hkv = kv[0][0].shape[1]
+                res[f"{name}@{int(round(frac * 100))}%"] = {
+                    **r, "kv_bytes": None,  # masked, not freed (kvpress's fake compression)
+                    "tokens_per_layer": [n - p / hkv for p in kept]}
+                clear_masks(model)
+            c = as_full_cache()
+            press = snap_press(compression_ratio=ratio_for(kb, n), window_size=args.window,
+                               kernel_size=args.kernel_size)
+            for i in range(n_layers):
+                hs, cos, sin = rec_ctx[i]
+                k, v = hf.cache_kv(c, i)
+                k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
+                hf.set_cache_kv(c, i, k2.contiguous(), v2.contiguous())
+                kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
+            tl, nb = held(c)
+            res[f"kvpress-snapkv@{int(round(frac * 100))}%"] = {
+                **ask(model, tok, c, qst, key, args.gen_steps), "kv_bytes": nb, "tokens_per_layer": tl}
+        kvc.detach()
+    return res, extra
+
+
+def time_ours(model, tok, ctx, qst, key, args):
+    """Seconds and peak extra bytes of a plain prefill and of compress_context (kvzip, snapkv)."""
+    out = {}
+
+    def plain():
+        cache = pk.cache_from([])
+        with torch.no_grad():
+            model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
+        return cache
+
+    for name, fn in [("plain_prefill", plain),
+                     ("kvzip", lambda: kp.hf.compress_context(model, ctx, "kvzip", 0.2, tokenizer=tok,
+                                                              n_sink=args.n_sink, window=args.kvzip_window,
+                                                              chunk_size=args.chunk_size)),
+                     ("snapkv", lambda: kp.hf.compress_context(model, ctx, "snapkv", 0.2,
+                                                               n_sink=args.n_sink, window=args.window,
+                                                               kernel_size=args.kernel_size))]:
+        box = {}
+
+        def call(fn=fn, box=box):
+            box["v"] = fn()
+            return None
+
+        t0 = time.perf_counter()
+        peak, _, _ = timing.cpu_peak_extra_bytes(call)
+        out[f"{name}_seconds"], out[f"{name}_peak_extra_bytes"] = time.perf_counter() - t0, peak
+        if name == "kvzip":
+            kvc = box["v"]
+            out["kvzip_prefill_seconds"], out["kvzip_compress_seconds"] = (kvc.prefill_seconds,
+                                                                           kvc.compress_seconds)
+            g = kvc.generate(qst, max_new_tokens=args.gen_steps, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+            out["kvzip_generate_text"] = tok.decode(g[0, qst.shape[1]:])
+            out["kvzip_generate_toks"] = g[0, qst.shape[1]:].tolist()
+        box.clear()
+    return out
+
+
+def multi_question(model, tok, novels, rng, args):
+    """One context with three labelled keys; each method compresses it once, asked three times."""
+    keys = {c: str(rng.randrange(10000, 100000)) for c in COLORS}
+    depths = (0.2, 0.5, 0.8)
+    needles = [(d, f" The {c} pass key is {keys[c]}. Remember it. {keys[c]} is the {c} pass key. ")
+               for d, c in zip(depths, COLORS)]
+    ctx, _, novel = pk.build_haystack(tok, novels, args.tokens[0], needles, "", rng, "")
+    qs = {}
+    head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
+                                   add_generation_prompt=True)
+    post = head.split("@@")[1]
+    for c in COLORS:
+        text = (f"\n\nWhat is the {c} pass key mentioned in the text above? Answer with the number "
+                f"only.{post}The {c} pass key is")
+        qs[c] = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+    out = {"keys": keys, "novel": novel, "methods": {}}
+    for pol, scope in MULTI_METHODS:
+        kvc = kp.hf.compress_context(model, ctx, pol, 0.2 if pol != "full" else 1.0,
+                                     budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
+                                     window=args.kvzip_window if pol == "kvzip" else args.window,
+                                     kernel_size=args.kernel_size,
+                                     chunk_size=args.chunk_size)
+        answers = {}
+        for c in COLORS:
+            g = kvc.generate(qs[c], max_new_tokens=args.gen_steps, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+            text = tok.decode(g[0, qs[c].shape[1]:])
+            answers[c] = {"text": text, "hit": keys[c] in text}
+        out["methods"][name_of(pol, scope, None if pol == "full" else 0.2)] = {
+            "answers": answers, "tokens_per_layer": kvc.tokens_per_layer, "kv_bytes": kvc.nbytes,
+            "compress_seconds": kvc.compress_seconds, "prefill_seconds": kvc.prefill_seconds}
+    return out
+
+
+def table(data) -> str:
+    recs = data["records"]
+    names = list(recs[0]["results"])
+    rows = ["| config | hits | KV held (MiB, mean) | tokens per layer (min..max) |", "|---|---|---|---|"]
+    for nm in names:
+        hits = sum(r["results"][nm]["hit"] for r in recs)
+        kb = [r["results"][nm]["kv_bytes"] for r in recs]
+        tl = [t for r in recs for t in r["results"][nm]["tokens_per_layer"]]
+        mib = "masked, not freed" if kb[0] is None else f"{sum(kb) / len(kb) / 2**20:.1f}"
+        rows.append(f"| {nm} | {hits}/{len(recs)} | {mib} | {min(tl):.0f}..{max(tl):.0f} |")
+    out = "\n".join(rows)
+    tm = [r["timing"] for r in recs if r.get("timing")]
+    if tm:
+        med = lambda k: sorted(t[k] for t in tm)[len(tm) // 2]  # noqa: E731
+        out += "\n\n| method (median of %d trials) | seconds | x plain prefill | peak extra MiB |\n" % len(tm)
+        out += "|---|---|---|---|\n"
+        base = med("plain_prefill_seconds")
+        for k, label in [("plain_prefill", "plain prefill (no compression)"),
+                         ("snapkv", "kp.hf.compress_context snapkv"),
+                         ("kvzip", "kp.hf.compress_context kvzip"),
+                         ("kvpress_kvzip", "kvpress KVzipPress (prefill + scoring)")]:
+            s = med(f"{k}_seconds")
+            out += f"| {label} | {s:.1f} | {s / base:.2f} | {med(f'{k}_peak_extra_bytes') / 2**20:.0f} |\n"
+    if data.get("multi"):
+        out += "\n| method (3 questions per compression) | " + " | ".join(COLORS) + " |\n"
+        out += "|---|" + "---|" * len(COLORS) + "\n"
+        for nm in data["multi"][0]["methods"]:
+            cells = [f"{sum(t['methods'][nm]['answers'][c]['hit'] for t in data['multi'])}/"
+                     f"{len(data['multi'])}" for c in COLORS]
+            out += f"| {nm} | " + " | ".join(cells) + " |\n"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--trials-per-depth", type=int, default=4)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    ap.add_argument("--n-sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--kernel-size", type=int, default=7)
+    ap.add_argument("--chunk-size", type=int, default=2048)
+    ap.add_argument("--kvzip-window", type=int, default=0,
+                    help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
+    ap.add_argument("--gen-steps", type=int, default=7)
+    ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
+    ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
+    ap.add_argument("--no-kvpress", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--table", type=Path, help="only print the tables of an earlier --out file")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "context_results.json")
+    args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+
+    from tqdm import tqdm
+
+    torch.set_num_threads(common.threads())
+    model, tok = common.load_model(args.dtype)
+    novels = common.load_novels()
+    kvz = None
+    if not args.no_kvpress:
+        import logging
+
+        import kvpress
+        logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)  # a warning per press
+        kvz = _KVzipScores(kvpress)
+    kvc = hf.KVCompressor(model, "full", 1.0, n_sink=args.n_sink, window=args.window,
+                          kernel_size=args.kernel_size, compress_on_prefill=False, track_h2o=True)
+    rec = pk.Recorder(model, args.window + 1)
+    rec.remove()
+    rng = random.Random(args.seed)
+    jobs = [(n, d) for n in args.tokens for d in args.depths for _ in range(args.trials_per_depth)]
+    data = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "machine": common.machine(), "commit": common.commit(), "records": [], "multi": []}
+    hits: dict = {}
+    bar = tqdm(jobs, desc="query-agnostic passkey", unit="trial")
+    for j, (n, depth) in enumerate(bar):
+        key = str(rng.randrange(10000, 100000))
+        ctx, qst, novel = pk.build_prompt(tok, novels, n, depth, key, rng)
+        t0 = time.perf_counter()
+        res, extra = run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz)
+        rec_j = {"tokens": n, "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1],
+                 "depth": depth, "key": key, "novel": novel, "results": res, "timing": None}
+        if j < args.time_trials and kvz is not None:
+            t = time_ours(model, tok, ctx, qst, key, args)
+            t.update(extra)
+            a, b = t.pop("kvzip_generate_toks"), res["kvzip@20%"]["toks"]
+            t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
+            rec_j["timing"] = t
+            tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
+        rec_j["seconds"] = time.perf_counter() - t0
+        data["records"].append(rec_j)
+        for c, r in res.items():
+            hits.setdefault(c, []).append(r["hit"])
+        bar.set_postfix({c: f"{sum(hits[c])}/{len(hits[c])}" for c in
+                         ("full", "kvzip@20%", "kvzip@10%", "snapkv@20%", "kvpress-kvzip@20%") if c in hits})
+        args.out.write_text(json.dumps(data, indent=1))
+    for _ in tqdm(range(args.multi_trials), desc="three questions", unit="context"):
+        data["multi"].append(multi_question(model, tok, novels, rng, args))
+        args.out.write_text(json.dumps(data, indent=1))
+    print(table(data))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Compress a context once, answer any number of questions from it (``kp.hf.compress_context``).
+
+The query-agnostic setting: a chat, a document or a prefix cache is compressed before any
+question is known, so the scores cannot come from the question. Besides every policy of
+:mod:`kvprune_cuda.hf`, policy ``"kvzip"`` scores each context key by how much the model
+attends to it while reconstructing the context from its own cache (KVzip, Kim et al. 2025):
+after the prefill, a "repeat the previous context" prompt followed by the context itself is
+fed in chunks, teacher-forced, on the uncompressed cache, and a key's score is the maximum,
+over the reconstruction queries and the query heads of its KV group, of its attention
+probability (``kp.window_scores(qreduce="max", gqa="max", out=...)``, one fp32 buffer per
+layer, chunks folded in place). The reconstruction tokens' own keys are dropped after each
+chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+import kvprune_cuda as kp
+from kvprune_cuda import hf
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+SCOPES = ("layer", "global")
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of kvzip's reconstruction queries.
+
+    Chunk ``c`` of the context (positions ``[skip, n)`` cut into ``chunk_size`` pieces) is
+    reconstructed by ``first`` (c = 0) or ``next`` + the last ``overlap`` tokens of chunk
+    ``c-1``, then ``suffix`` (what closes the user's turn and opens the answer), then the
+    chunk's own tokens. ``skip`` leading tokens (a chat template's header) are not
+    reconstructed, but they are scored like every other context key.
+    """
+
+    first: Sequence[int]
+    next: Sequence[int]
+    suffix: Sequence[int]
+    skip: int = 0
+    overlap: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("skip", "overlap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, context_ids: Optional[torch.Tensor] = None) -> "RepeatPrompt":
+        """The prompts, closed by the chat template's end of a user turn when the tokenizer has
+        a template (``"\\n"`` otherwise); ``skip`` is the template's header length when
+        ``context_ids`` starts with it."""
+        ids = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+        pre, post = "", "\n"
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}],
+                                                 add_generation_prompt=True, tokenize=False)
+            pre, post = text.split("@@", 1)
+        head = ids(pre) if pre else []
+        skip = 0
+        if context_ids is not None and head and context_ids.shape[1] > len(head):
+            if context_ids[:, :len(head)].eq(torch.tensor(head, device=context_ids.device)).all():
+                skip = len(head)
+        return cls(first=ids(FIRST_PROMPT), next=ids(NEXT_PROMPT), suffix=ids(post), skip=skip)
+
+    def chunks(self, context_ids: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
+        """The reconstruction inputs, one ``[B, r_c]`` tensor per chunk."""
+        n = context_ids.shape[1]
+        if self.skip >= n:
+            raise ValueError(f"repeat_prompt: skip = {self.skip} leaves none of the {n} context "
+                             "tokens to reconstruct")
+        dev, b = context_ids.device, context_ids.shape[0]
+        row = lambda xs: torch.tensor(list(xs), dtype=context_ids.dtype, device=dev).expand(b, -1)  # noqa: E731
+        out, prev = [], None
+        for s in range(self.skip, n, chunk_size):
+            piece = context_ids[:, s:s + chunk_size]
+            head = row(self.first) if prev is None else torch.cat(
+                [row(self.next), prev[:, max(prev.shape[1] - self.overlap, 0):]], 1)
+            out.append(torch.cat([head, row(self.suffix), piece], 1))
+            prev = piece
+        return out
+
+
+class CompressedContext:
+    """A compressed context to answer questions from; made by :func:`compress_context`.
+
+    ``tokens_per_layer`` / ``bytes_per_layer``: what each layer holds (K and V);
+    ``prefill_seconds``: the context's forward; ``compress_seconds``: what compression
+    added (kvzip's reconstruction forwards and scoring, selection, compaction).
+    """
+
+    def __init__(self, model, compressor: "hf.KVCompressor", context_ids: torch.Tensor, cache,
+                 prefill_seconds: float, compress_seconds: float) -> None:
+        self.model, self.context_ids = model, context_ids
+        self.policy, self.budget = compressor.policy, compressor.budget
+        self._compressor = compressor
+        n_layers = len(compressor.layers)
+        self._layers = [hf.cache_kv(cache, i) for i in range(n_layers)]
+        self._state = compressor.snapshot()
+        self.prefill_seconds, self.compress_seconds = prefill_seconds, compress_seconds
+        self.tokens_per_layer = [k.shape[2] for k, _ in self._layers]
+        self.bytes_per_layer = [k.numel() * k.element_size() + v.numel() * v.element_size()
+                                for k, v in self._layers]
+
+    @property
+    def context_len(self) -> int:
+        return self.context_ids.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_per_layer)
+
+    def __repr__(self) -> str:
+        t = self.tokens_per_layer
+        return (f"CompressedContext(policy={self.policy!r}, context_len={self.context_len}, "
+                f"tokens per layer {min(t)}..{max(t)} (mean {sum(t) / len(t):.1f}), "
+                f"{self.nbytes / 2**20:.2f} MiB, prefill {self.prefill_seconds:.2f} s + "
+                f"compression {self.compress_seconds:.2f} s)")
+
+    def cache(self):
+        """A new DynamicCache sharing this context's K/V tensors (decoding appends by
+        concatenation, so the shared tensors are never written)."""
+        from transformers import DynamicCache
+
+        c = DynamicCache()
+        for i, (k, v) in enumerate(self._layers):
+            c.update(k[:, :, :0], v[:, :, :0], i)
+            hf.set_cache_kv(c, i, k, v)
+        return c
+
+    def generate(self, question_ids: torch.Tensor, **generate_kwargs):
+        """``model.generate`` continuing the compressed context with ``question_ids`` [B, q].
+
+        Returns what ``generate`` returns with the context cut off: ``[B, q + new]`` ids (or
+        its output object with ``sequences`` cut the same way). Positions continue the
+        context's (``n, n+1, ...``). The compressed context is not modified, so questions can
+        follow one another. Streaming and h2o keep evicting while decoding, down to their
+        budget per layer; the other policies let the cache grow by the new tokens.
+        """
+        for name in ("input_ids", "past_key_values", "attention_mask", "cache_position",
+                     "position_ids", "inputs_embeds"):
+            if name in generate_kwargs:
+                raise ValueError(f"{name}: set by CompressedContext.generate itself")
+        if not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2:
+            raise ValueError("question_ids: expected a [B, q] tensor of token ids")
+        b, n = self.context_ids.shape
+        if question_ids.shape[0] != b or question_ids.shape[1] < 1:
+            raise ValueError(f"question_ids: expected [{b}, q >= 1], got {list(question_ids.shape)}")
+        q = question_ids.to(self.context_ids.device)
+        ids = torch.cat([self.context_ids, q], 1)
+        comp = self._compressor
+        comp.restore(self._state)
+        comp.attach()
+        try:
+            with torch.no_grad():
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=self.cache(),
+                    cache_position=torch.arange(n, ids.shape[1], device=ids.device),
+                    **generate_kwargs)
+        finally:
+            comp.detach()
+        if isinstance(out, torch.Tensor):
+            return out[:, n:]
+        out.sequences = out.sequences[:, n:]
+        return out
+
+
+def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
+                     budget: Union[int, float] = 0.2, *, budget_scope: str = "layer",
+                     n_sink: int = 4, window: Optional[int] = None, kernel_size: int = 7, pool: str = "max",
+                     gqa: Optional[str] = None, chunk_size: int = 2048, tokenizer=None,
+                     repeat_prompt: Optional[RepeatPrompt] = None) -> CompressedContext:
+    """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses it.
+
+    Args:
+        policy: "kvzip" (reconstruction scoring, above), "snapkv" (the context's last
+            ``window`` queries vote), "h2o" (every context query's attention), "streaming"
+            or "full" (no eviction).
+        budget: tokens kept per layer: a fraction of ``n`` in (0, 1] or a count; with
+            ``budget_scope="global"`` it is the mean over layers, each layer keeping what
+            :func:`kvprune_cuda.layer_budgets` allocates from its scores (not "streaming").
+        n_sink, window: the first / last context positions every layer keeps (``window``
+            default: 0 for kvzip, which protects only the sinks as KVzip does; 32 otherwise,
+            also snapkv's observation window).
+        kernel_size, pool: snapkv's pooling; gqa: how a KV group's query heads combine
+            ("max" for kvzip, as KVzip defines it; "mean" otherwise).
+        chunk_size: context tokens reconstructed per kvzip forward (memory: the cache grows
+            by one chunk plus the prompt while it is scored).
+        tokenizer, repeat_prompt: kvzip's reconstruction prompt; by default built with
+            :meth:`RepeatPrompt.from_tokenizer` from ``tokenizer`` (else the model's own,
+            loaded from ``model.config.name_or_path``).
+    """
+    if policy not in hf.POLICIES:
+        raise ValueError(f"policy: expected one of {hf.POLICIES}, got {policy!r}")
+    if budget_scope not in SCOPES:
+        raise ValueError(f"budget_scope: expected one of {SCOPES}, got {budget_scope!r}")
+    if budget_scope == "global" and policy in ("streaming", "full"):
+        raise ValueError(f"budget_scope: 'global' ranks scores; policy {policy!r} has none")
+    if not isinstance(context_ids, torch.Tensor) or context_ids.dim() != 2 or context_ids.shape[1] < 1:
+        raise ValueError("context_ids: expected a [B, n >= 1] tensor of token ids")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    gqa = gqa or ("max" if policy == "kvzip" else "mean")
+    window = (0 if policy == "kvzip" else 32) if window is None else window
+    n = context_ids.shape[1]
+    comp = hf.KVCompressor(model, policy, budget, n_sink=n_sink, window=window,
+                           kernel_size=kernel_size, pool=pool, gqa=gqa, compress_on_prefill=False)
+    prompt = None
+    if policy == "kvzip":
+        prompt = repeat_prompt or RepeatPrompt.from_tokenizer(
+            tokenizer or _model_tokenizer(model), context_ids)
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    comp.attach()
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            comp.base(input_ids=context_ids, past_key_values=cache, use_cache=True)
+            t1 = time.perf_counter()
+            if prompt is not None:
+                comp.score_reconstruction(lambda: _reconstruct(comp, cache, prompt.chunks(
+                    context_ids, chunk_size), n))
+            _compress(comp, cache, policy, budget, budget_scope, n)
+            t2 = time.perf_counter()
+    finally:
+        comp.detach()
+    return CompressedContext(model, comp, context_ids, cache, t1 - t0, t2 - t1)
+
+
+def _reconstruct(comp: "hf.KVCompressor", cache, chunks: list[torch.Tensor], n: int) -> None:
+    """Teacher-forced reconstruction forwards, the cache cropped back to the context after each."""
+    for ids in chunks:
+        comp.base(input_ids=ids, past_key_values=cache, use_cache=True)
+        for i in range(len(comp.layers)):
+            k, v = hf.cache_kv(cache, i)
+            hf.set_cache_kv(cache, i, k[:, :, :n], v[:, :, :n])
+
+
+def _compress(comp: "hf.KVCompressor", cache, policy: str, budget, scope: str, n: int) -> None:
+    if policy == "full":
+        comp.compress_cache(cache, "full", 1.0)
+        return
+    if scope == "layer":
+        comp.compress_cache(cache, policy, budget)
+        return
+    kb = max(hf.resolve_budget(budget, n), comp.n_sink + comp.window)
+    layers = sorted(comp.layers)
+    scores = [comp.selection_scores(cache, i) for i in layers]
+    for i, k_l in zip(layers, kp.layer_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)):
+        comp.compress_layer(cache, i, policy, k_l)
+
+
+def _model_tokenizer(model):
+    from transformers import AutoTokenizer
+
+    path = getattr(model.config, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"tokenizer: kvzip builds its repeat prompt with the model's tokenizer; "
+                         f"pass tokenizer= or repeat_prompt= (loading {path!r} failed: {e})") from e

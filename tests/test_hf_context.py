@@ -1,0 +1,450 @@
+"""kp.hf.compress_context on the tiny random Qwen2 of test_hf: a context compressed once (kvzip
+and the other policies), then questions answered from it with ``CompressedContext.generate``.
+
+The references are independent of hf.py / hf_context.py: eager attention weights recorded by
+``test_hf._eager_capture`` and ``kvprune_cuda.reference``. Skipped without ``transformers``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kvprune_cuda as kp  # noqa: E402
+from helpers import HAS_CUDA  # noqa: E402
+from kvprune_cuda import hf  # noqa: E402
+from kvprune_cuda import hf_context  # noqa: E402
+from kvprune_cuda import reference as ref  # noqa: E402
+from kvprune_cuda.hf_context import RepeatPrompt  # noqa: E402
+from test_hf import (  # noqa: E402,F401  (model: the module-scoped tiny Qwen2 fixture)
+    D, HKV, HQ, N_LAYERS, _agnostic_expected_idx, _eager_capture, _ids, _manual_decode, model)
+
+N, CHUNK, SINKS, W, BUDGET = 60, 25, 4, 8, 24
+PROMPT = RepeatPrompt(first=[5, 6, 7], next=[8, 9], suffix=[10, 11])
+POLICIES = ("kvzip", "snapkv", "streaming", "h2o")
+GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+           return_dict_in_generate=True, output_logits=True)
+
+
+def _compress(model, ctx, policy, budget=BUDGET, **kw):
+    kw.setdefault("repeat_prompt", PROMPT if policy == "kvzip" else None)
+    return kp.hf.compress_context(model, ctx, policy, budget, n_sink=SINKS, window=W,
+                                  chunk_size=kw.pop("chunk_size", CHUNK), **kw)
+
+
+def _copy(cache):
+    out = transformers.DynamicCache()
+    for i in range(N_LAYERS):
+        k, v = hf.cache_kv(cache, i)
+        out.update(k.clone(), v.clone(), i)
+    return out
+
+
+def _kvzip_reference(model, ctx, chunks, gqa="max", context_only=False):
+    """The full context cache, the eager calls of its prefill and per layer the kvzip score
+    fp32 [B, Hkv, n]: max over chunks, over the chunk's queries and over the KV group's query
+    heads (``gqa``) of the eager softmax weight of each context key. Every chunk runs on a fresh
+    copy of the full context cache, so it sees the context and its own tokens only.
+    ``context_only``: renormalise the weights over the context keys (not kvzip: a foil)."""
+    n, b = ctx.shape[1], ctx.shape[0]
+    full = transformers.DynamicCache()
+    with _eager_capture(model) as prefill, torch.no_grad():
+        model(input_ids=ctx, past_key_values=full, use_cache=True)
+    scores = [None] * N_LAYERS
+    for ids in chunks:
+        with _eager_capture(model) as calls, torch.no_grad():
+            model(input_ids=ids, past_key_values=_copy(full), use_cache=True)
+        for i in range(N_LAYERS):
+            ((_, key, weights),) = calls[i]
+            assert key.shape[2] == n + ids.shape[1]
+            w = weights[..., :n]
+            if context_only:
+                w = w / w.sum(-1, keepdim=True)
+            per_head = w.amax(2).view(b, HKV, HQ // HKV, n)             # max over queries
+            s = per_head.amax(2) if gqa == "max" else per_head.mean(2)  # over the group
+            scores[i] = s if scores[i] is None else torch.maximum(scores[i], s)
+    return full, prefill, [s.float() for s in scores]
+
+
+def _policy_scores(policy, prefill):
+    """snapkv / h2o selection scores per layer from the context prefill's eager calls."""
+    out = []
+    for i in range(N_LAYERS):
+        ((query, key, weights),) = prefill[i][:1]
+        if policy == "snapkv":
+            scores = ref.window_scores(query[:, :, -W:], key)
+            out.append(ref.pool_scores(scores, 7, "max", window=W))
+        else:
+            n = key.shape[2]
+            out.append(weights[0].sum(1).view(HKV, HQ // HKV, n).mean(1)[None].float())
+    return out
+
+
+def _assert_layers(cache, full, idx):
+    for i in range(N_LAYERS):
+        want_k, want_v = ref.gather_kv(*hf.cache_kv(full, i), idx[i])
+        got_k, got_v = hf.cache_kv(cache, i)
+        assert got_k.shape == want_k.shape, i
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), i
+
+
+# ---- kvzip scoring and selection ------------------------------------------------------------
+
+
+def _recording(fold, taken):
+    """Wraps KVCompressor._fold_reconstruction: records whether each call found an lse."""
+    def wrapped(self, module, *args):
+        taken.append(module.layer_idx in self._reconstruct_lse)
+        return fold(self, module, *args)
+    return wrapped
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, monkeypatch):
+    """KVCompressor.score_reconstruction folds the max attention probability of every
+    reconstruction query (softmax over context and reconstruction keys) into each context key.
+    With SDPA the lse comes from the model's own attention call (``_hf_lse``, one pass of
+    kp.window_scores), with eager attention kp.window_scores computes it (two passes)."""
+    ctx = _ids(gen, 1, N)
+    chunks = PROMPT.chunks(ctx, CHUNK)
+    assert len(chunks) == 3
+    full, _, want = _kvzip_reference(model, ctx, chunks, gqa)
+    comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W, gqa=gqa,
+                           compress_on_prefill=False).attach()
+    cache = transformers.DynamicCache()
+    def forward_chunks():
+        for ids in chunks:
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.crop(N)
+
+    saved = model.config._attn_implementation
+    try:
+        model.config._attn_implementation = impl
+        with torch.no_grad():
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+        taken = []
+        monkeypatch.setattr(hf.KVCompressor, "_fold_reconstruction", _recording(
+            hf.KVCompressor._fold_reconstruction, taken))
+        comp.score_reconstruction(forward_chunks)
+    finally:
+        model.config._attn_implementation = saved
+        comp.detach()
+    assert len(taken) == N_LAYERS * len(chunks)
+    assert all(t == (impl == "sdpa") for t in taken), taken  # lse from the model's attention
+    assert comp.seen == N and not comp.compressed
+    _, _, foil = _kvzip_reference(model, ctx, chunks, gqa, context_only=True)
+    for i in range(N_LAYERS):
+        got = comp.selection_scores(cache, i)
+        assert got.shape == (1, HKV, N) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(got, foil[i], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_size,skip", [(25, 0), (25, 5), (7, 0), (2048, 0)])
+def test_kvzip_keeps_reference_selection(model, gen, chunk_size, skip):
+    ctx = _ids(gen, 1, N)
+    prompt = RepeatPrompt(PROMPT.first, PROMPT.next, PROMPT.suffix, skip=skip)
+    full, _, scores = _kvzip_reference(model, ctx, prompt.chunks(ctx, chunk_size))
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, "kvzip", chunk_size=chunk_size, repeat_prompt=prompt)
+    assert kvc.tokens_per_layer == [BUDGET] * N_LAYERS
+    idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
+    _assert_layers(kvc.cache(), full, idx)
+    # the selection is not one a query-agnostic shortcut would make
+    assert not all(torch.equal(i, ref.streaming_indices(1, HKV, N, BUDGET, n_sink=SINKS))
+                   for i in idx)
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "snapkv", "h2o"])
+def test_global_budget_follows_layer_budgets(model, gen, policy):
+    ctx = _ids(gen, 1, N)
+    full, prefill, scores = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+    if policy != "kvzip":
+        scores = _policy_scores(policy, prefill)
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, policy, budget_scope="global")
+    want = kp.layer_budgets(scores, BUDGET, n_sink=SINKS, window=W)
+    assert kvc.tokens_per_layer == want
+    assert sum(want) == N_LAYERS * BUDGET
+    if policy == "kvzip":
+        assert len(set(want)) > 1  # the layers really get different budgets
+    _assert_layers(kvc.cache(), full,
+                   [ref.select_keep(s, k, n_sink=SINKS, window=W) for s, k in zip(scores, want)])
+    # a fraction resolves against the context length first (0.4 * 60 = 24 tokens)
+    with _eager_capture(model):
+        frac = _compress(model, ctx, policy, budget=0.4, budget_scope="global")
+    assert frac.tokens_per_layer == want
+
+
+# ---- generating from a compressed context ---------------------------------------------------
+
+
+def test_full_generate_equals_plain_generate(model, gen):
+    ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
+    ids = torch.cat([ctx, qst], 1)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **GEN)
+    kvc = kp.hf.compress_context(model, ctx, "full")
+    assert kvc.tokens_per_layer == [N] * N_LAYERS
+    out = kvc.generate(qst, **GEN)
+    assert torch.equal(out.sequences, plain.sequences[:, N:])
+    assert out.sequences.shape == (1, 5 + 8)
+    for a, b in zip(out.logits, plain.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # without return_dict_in_generate: the ids tensor, context cut off
+    ids_only = kvc.generate(qst, **{k: v for k, v in GEN.items()
+                                    if k not in ("return_dict_in_generate", "output_logits")})
+    assert torch.equal(ids_only, out.sequences)
+
+
+def _layer_state(kvc):
+    c = kvc.cache()
+    return [(k.data_ptr(), v.data_ptr(), k.clone(), v.clone())
+            for k, v in (hf.cache_kv(c, i) for i in range(N_LAYERS))]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_generate_leaves_the_context_unchanged(model, gen, policy):
+    ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
+    kvc = _compress(model, ctx, policy)
+    before = _layer_state(kvc)
+    first = kvc.generate(qst, **GEN)
+    second = kvc.generate(qst, **GEN)
+    assert torch.equal(first.sequences, second.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(first.logits, second.logits, strict=True))
+    after = _layer_state(kvc)
+    for (pk, pv, k, v), (qk, qv, k2, v2) in zip(before, after, strict=True):
+        assert (pk, pv) == (qk, qv)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert kvc.tokens_per_layer == [BUDGET] * N_LAYERS
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_generate_equals_question_on_hand_built_cache(model, gen, policy):
+    """The first generated token's logits == the question fed one token at a time (positions
+    n, n+1, ...) to a plain DynamicCache holding the independently selected context K/V.
+    kvzip / snapkv let the cache grow, so their whole greedy answer matches too."""
+    ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
+    with _eager_capture(model):
+        full, prefill, scores = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+        if policy == "kvzip":
+            idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
+        else:
+            idx = _agnostic_expected_idx(policy, prefill, BUDGET, SINKS, W)
+        kvc = _compress(model, ctx, policy)
+        _assert_layers(kvc.cache(), full, idx)
+        out = kvc.generate(qst, **GEN)
+        by_hand = transformers.DynamicCache()
+        for i in range(N_LAYERS):
+            by_hand.update(*ref.gather_kv(*hf.cache_kv(full, i), idx[i]), i)
+        with torch.no_grad():
+            for t in range(qst.shape[1]):
+                pos = torch.tensor([[N + t]])
+                logits = model(input_ids=qst[:, t:t + 1], past_key_values=by_hand, use_cache=True,
+                               position_ids=pos, cache_position=pos[0]).logits
+        torch.testing.assert_close(out.logits[0], logits[:, -1], rtol=1e-4, atol=1e-4)
+        assert int(out.sequences[0, 5]) == int(logits[0, -1].argmax())
+        if policy in ("kvzip", "snapkv"):
+            answer = _manual_decode(model, by_hand, logits, 8, N + 5)
+            assert out.sequences[0, 5:].tolist() == answer
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_questions_in_turn_equal_fresh_contexts(model, gen, policy):
+    ctx = _ids(gen, 1, N)
+    questions = [_ids(gen, 1, q) for q in (5, 3, 7)]
+    kw = dict(GEN, max_new_tokens=4, min_new_tokens=4)  # streaming / h2o evict on the question
+    kvc = _compress(model, ctx, policy)
+    for qst in questions:
+        got = kvc.generate(qst, **kw)
+        want = _compress(model, ctx, policy).generate(qst, **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits, strict=True))
+
+
+def test_kvzip_batch_rows_match_single_rows(model, gen):
+    ctx, qst = _ids(gen, 2, N), _ids(gen, 2, 5)
+    out = _compress(model, ctx, "kvzip").generate(qst, **GEN)
+    assert out.sequences.shape == (2, 5 + 8)
+    for b in range(2):
+        one = _compress(model, ctx[b:b + 1], "kvzip").generate(qst[b:b + 1], **GEN)
+        assert torch.equal(out.sequences[b:b + 1], one.sequences)
+        for a, c in zip(out.logits, one.logits, strict=True):
+            torch.testing.assert_close(a[b:b + 1], c, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy,budget,scope", [
+    ("kvzip", BUDGET, "layer"), ("kvzip", BUDGET, "global"), ("snapkv", 0.4, "layer"),
+    ("full", 0.2, "layer")])
+def test_reported_sizes(model, gen, policy, budget, scope):
+    ctx = _ids(gen, 1, N)
+    kvc = _compress(model, ctx, policy, budget, budget_scope=scope)
+    size = next(model.parameters()).element_size()
+    cache = kvc.cache()
+    assert kvc.tokens_per_layer == [hf.cache_kv(cache, i)[0].shape[2] for i in range(N_LAYERS)]
+    assert kvc.bytes_per_layer == [2 * HKV * t * D * size for t in kvc.tokens_per_layer]
+    assert kvc.nbytes == sum(kvc.bytes_per_layer) == hf.kv_bytes(cache)
+    total = N_LAYERS * (N if policy == "full" else BUDGET)
+    assert sum(kvc.tokens_per_layer) == total and kvc.context_len == N
+    assert kvc.prefill_seconds > 0 and kvc.compress_seconds > 0
+    assert f"policy={policy!r}" in repr(kvc)
+
+
+# ---- the reconstruction prompt --------------------------------------------------------------
+
+
+def test_repeat_prompt_chunks_layout():
+    rows = [list(range(100, 137)), list(range(200, 237))]
+    ctx = torch.tensor(rows, dtype=torch.int32)
+    p = RepeatPrompt(first=[1, 2], next=[3], suffix=[4, 5], skip=3, overlap=4)
+    chunks = p.chunks(ctx, 10)
+    pieces = [(3, 13), (13, 23), (23, 33), (33, 37)]
+    assert len(chunks) == len(pieces)
+    for c, (s, e) in enumerate(pieces):
+        assert chunks[c].dtype == torch.int32
+        for b, row in enumerate(rows):
+            head = [1, 2] if c == 0 else [3] + row[pieces[c - 1][1] - 4:pieces[c - 1][1]]
+            assert chunks[c][b].tolist() == head + [4, 5] + row[s:e], (c, b)
+    one = RepeatPrompt(first=[1], next=[3], suffix=[4]).chunks(ctx, 100)
+    assert len(one) == 1 and one[0][1].tolist() == [1, 4] + rows[1]
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 25])
+def test_repeat_prompt_overlap(overlap):
+    """The last ``overlap`` tokens of the previous chunk, all of it when shorter, none for 0."""
+    ctx = torch.arange(100, 130)[None]
+    chunks = RepeatPrompt(first=[1], next=[2], suffix=[3], overlap=overlap).chunks(ctx, 10)
+    for c in (1, 2):
+        prev = ctx[0, 10 * (c - 1):10 * c].tolist()
+        tail = prev[len(prev) - min(overlap, len(prev)):]
+        assert chunks[c][0].tolist() == [2] + tail + [3] + ctx[0, 10 * c:10 * c + 10].tolist()
+
+
+class _CharTokenizer:
+    """One token per character (id = code point); an optional chat template around a user turn."""
+
+    def __init__(self, chat_template=None):
+        self.chat_template = chat_template
+        self.calls = []
+
+    def __call__(self, text, add_special_tokens=True):
+        assert add_special_tokens is False
+        return SimpleNamespace(input_ids=_chars(text))
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        self.calls.append((messages, add_generation_prompt, tokenize))
+        return "<u>" + messages[0]["content"] + "</u><a>"
+
+
+def _chars(text):
+    return [ord(ch) for ch in text]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeat_prompt_from_tokenizer_with_template(device):
+    tok = _CharTokenizer(chat_template="{{ whatever }}")
+    body = torch.tensor([_chars("abcdefgh")], device=device)
+    with_header = torch.tensor([_chars("<u>abcdefgh")], device=device)
+    p = RepeatPrompt.from_tokenizer(tok, with_header)
+    assert tok.calls == [([{"role": "user", "content": "@@"}], True, False)]
+    assert list(p.first) == _chars(hf_context.FIRST_PROMPT)
+    assert list(p.next) == _chars(hf_context.NEXT_PROMPT)
+    assert list(p.suffix) == _chars("</u><a>")
+    assert p.skip == 3 and p.overlap == 8
+    assert RepeatPrompt.from_tokenizer(tok, body).skip == 0            # no header
+    assert RepeatPrompt.from_tokenizer(tok, with_header[:, :3]).skip == 0  # the header only
+    assert RepeatPrompt.from_tokenizer(tok).skip == 0
+    two = torch.cat([with_header, torch.tensor([_chars("<u>zzzzzzzz")], device=device)])
+    assert RepeatPrompt.from_tokenizer(tok, two).skip == 3
+    mixed = torch.cat([with_header, torch.tensor([_chars("<v>zzzzzzzz")], device=device)])
+    assert RepeatPrompt.from_tokenizer(tok, mixed).skip == 0          # every row must match
+
+
+def test_repeat_prompt_from_tokenizer_without_template():
+    tok = _CharTokenizer(chat_template=None)
+    p = RepeatPrompt.from_tokenizer(tok, torch.tensor([_chars("<u>abcdefgh")]))
+    assert tok.calls == []
+    assert list(p.suffix) == _chars("\n") and p.skip == 0
+    assert list(p.first) == _chars(hf_context.FIRST_PROMPT)
+
+
+def test_kvzip_builds_its_prompt_from_the_tokenizer(model, gen):
+    """tokenizer=: the chunks are those of RepeatPrompt.from_tokenizer (header skipped)."""
+    tok = _CharTokenizer(chat_template="{{ whatever }}")  # ASCII: ids < the vocabulary's 128
+    ctx = torch.cat([torch.tensor([_chars("<u>")]), _ids(gen, 1, N - 3)], 1)
+    prompt = RepeatPrompt.from_tokenizer(tok, ctx)
+    assert prompt.skip == 3
+    full, _, scores = _kvzip_reference(model, ctx, prompt.chunks(ctx, CHUNK))
+    _, _, others = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+    idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
+    assert not all(torch.equal(a, ref.select_keep(b, BUDGET, n_sink=SINKS, window=W))
+                   for a, b in zip(idx, others))  # the prompt matters
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, "kvzip", repeat_prompt=None, tokenizer=tok)
+    _assert_layers(kvc.cache(), full, idx)
+
+
+# ---- arguments ------------------------------------------------------------------------------
+
+
+def test_bad_arguments(model, gen):
+    ctx = _ids(gen, 1, N)
+    with pytest.raises(ValueError, match="policy"):
+        kp.hf.compress_context(model, ctx, "nope", BUDGET)
+    for policy in ("streaming", "full"):
+        with pytest.raises(ValueError, match="budget_scope"):
+            kp.hf.compress_context(model, ctx, policy, BUDGET, budget_scope="global")
+    with pytest.raises(ValueError, match="budget_scope"):
+        kp.hf.compress_context(model, ctx, "snapkv", BUDGET, budget_scope="head")
+    for bad in (ctx[0], ctx.tolist(), ctx[:, :0], ctx[None]):
+        with pytest.raises(ValueError, match="context_ids"):
+            kp.hf.compress_context(model, bad, "snapkv", BUDGET, n_sink=SINKS, window=W)
+    for bad in (0, -3, True, 8.0):
+        with pytest.raises(ValueError, match="chunk_size"):
+            _compress(model, ctx, "kvzip", chunk_size=bad)
+    with pytest.raises(ValueError, match="budget"):
+        _compress(model, ctx, "kvzip", 10)
+    with pytest.raises(ValueError, match="tokenizer"):  # a random model has no tokenizer to load
+        kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, window=W)
+    with pytest.raises(ValueError, match="policy"):
+        hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W)
+    with pytest.raises(ValueError, match="policy"):
+        with kp.hf.compress(model, policy="kvzip", budget=BUDGET, n_sink=SINKS, window=W):
+            pass
+    kvc = _compress(model, ctx, "kvzip")
+    qst = _ids(gen, 1, 5)
+    for name in ("input_ids", "past_key_values", "attention_mask", "cache_position",
+                 "position_ids", "inputs_embeds"):
+        with pytest.raises(ValueError, match=name):
+            kvc.generate(qst, max_new_tokens=2, **{name: None})
+    for field in ("skip", "overlap"):
+        with pytest.raises(ValueError, match=field):
+            RepeatPrompt(PROMPT.first, PROMPT.next, PROMPT.suffix, **{field: -1})
+    with pytest.raises(ValueError, match="repeat_prompt"):
+        _compress(model, ctx, "kvzip", repeat_prompt=RepeatPrompt([5], [6], [7], skip=N))
+    for bad in (_ids(gen, 2, 5), qst[0], qst[:, :0], qst.tolist()):
+        with pytest.raises(ValueError, match="question_ids"):
+            kvc.generate(bad, max_new_tokens=2)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_either_module_can_be_imported_first():
+    for code in ("from kvprune_cuda.hf_context import RepeatPrompt, compress_context\n"
+                 "import kvprune_cuda as kp\n"
+                 "assert kp.hf.compress_context is compress_context\n"
+                 "assert kp.hf.RepeatPrompt is RepeatPrompt",
+                 "from kvprune_cuda.hf import CompressedContext, compress_context\n"
+                 "from kvprune_cuda import hf_context\n"
+                 "assert hf_context.CompressedContext is CompressedContext"):
+        subprocess.run([sys.executable, "-c", code], check=True)
