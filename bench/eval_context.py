@@ -20,12 +20,16 @@ setting where SnapKV's voting window holds no question. Three parts:
 3. Three questions from one compression: three labelled pass keys in one context, one
    ``kp.hf.compress_context`` per method, ``kvc.generate`` asked each question in turn.
 
-    .venv/bin/python bench/eval_context.py --tokens 4096 --trials-per-depth 4
+    MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/python bench/eval_context.py --tokens 4096 --trials-per-depth 4
+
+(kvpress's KVzipPress peaks near 20 GB at 4k tokens here; the malloc setting returns freed
+buffers to the system at once, so trials do not pile up on a 24 GB machine.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -104,8 +108,10 @@ def ask(model, tok, cache, qst, key, steps):
 
 
 def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
-    """{config: {text, hit, toks, kv_bytes, tokens_per_layer}} and kvpress KVzip's timing."""
+    """{config: {text, hit, toks, kv_bytes, tokens_per_layer}} of ``args.part``, and kvpress
+    KVzip's timing (part "kvpress-kvzip")."""
     n_layers, n = len(kvc.attn), ctx.shape[1]
+    ours = args.part in ("all", "ours")
     cache = pk.cache_from([])
     kvc.attach()
     rec.__init__(model, args.window + 1)
@@ -113,9 +119,10 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         model(input_ids=ctx, past_key_values=cache, use_cache=True)
         rec_ctx = dict(rec.data)
         rec.remove()
-        prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
-        kvc.score_reconstruction(lambda: hf_context._reconstruct(
-            kvc, cache, prompt.chunks(ctx, args.chunk_size), n), gqa="max")
+        if ours:
+            prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
+            kvc.score_reconstruction(lambda: hf_context._reconstruct(
+                kvc, cache, prompt.chunks(ctx, args.chunk_size), n), gqa="max")
     snap, kv = kvc.snapshot(), pk.layers_of(cache, n_layers)
     del cache
     res, extra = {}, {}
@@ -132,10 +139,13 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         kvc.policy = "snapkv"  # no decode-time eviction
         return pk.cache_from(kv)
 
-    c = as_full_cache()
-    tl, nb = held(c)
-    res["full"] = {**ask(model, tok, c, qst, key, args.gen_steps), "kv_bytes": nb, "tokens_per_layer": tl}
-    for frac in args.budgets:
+    def record(name, c, r=None):
+        tl, nb = held(c)
+        res[name] = {**(r or ask(model, tok, c, qst, key, args.gen_steps)), "kv_bytes": nb,
+                     "tokens_per_layer": tl}
+
+    record("full", as_full_cache())
+    for frac in args.budgets if ours else ():
         kb = hf.resolve_budget(frac, n)
         for pol, scope in OURS:
             kvc.restore(snap)
@@ -143,42 +153,34 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
             kvc.window = args.kvzip_window if pol == "kvzip" else args.window
             hf_context._compress(kvc, c, pol, kb, scope, n)
             kvc.window = args.window
-            tl, nb = held(c)
-            res[name_of(pol, scope, frac)] = {**ask(model, tok, c, qst, key, args.gen_steps),
-                                               "kv_bytes": nb, "tokens_per_layer": tl}
+            record(name_of(pol, scope, frac), c)
+        if kvz is not None:
+            c = as_full_cache()
+            pk.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
+                                                   window_size=args.window,
+                                                   kernel_size=args.kernel_size),
+                           kvc, c, rec_ctx, attn)
+            record(f"kvpress-snapkv@{int(round(frac * 100))}%", c)
     kvc.detach()
-    if kvz is not None:
+    if kvz is not None and args.part in ("all", "kvpress-kvzip"):
         ratio20 = ratio_for(hf.resolve_budget(0.2, n), n)
         scores, secs, peak = kvz.run(model, ctx, ratio20, args.n_sink, args.chunk_size)
         extra["kvpress_kvzip_seconds"], extra["kvpress_kvzip_peak_extra_bytes"] = secs, peak
         clear_masks(model)
-        snap_press = kvz.kvpress.SnapKVPress
         kvc.attach()
+        hkv = kv[0][0].shape[1]
         for frac in args.budgets:
             kb = hf.resolve_budget(frac, n)
             for layerwise in (False, True):
                 c = as_full_cache()
                 kvz.apply(model, scores, ratio_for(kb, n), layerwise, args.n_sink)
-                kept = [int(attn[i].masked_key_indices[0].numel()) for i in range(n_layers)]
+                masked = [int(attn[i].masked_key_indices[0].numel()) for i in range(n_layers)]
                 name = "kvpress-kvzip" + ("-layer" if layerwise else "")
                 r = ask(model, tok, c, qst, key, args.gen_steps)
-                hkv = kv[0][0].shape[1]
                 res[f"{name}@{int(round(frac * 100))}%"] = {
                     **r, "kv_bytes": None,  # masked, not freed (kvpress's fake compression)
-                    "tokens_per_layer": [n - p / hkv for p in kept]}
+                    "tokens_per_layer": [n - p / hkv for p in masked]}
                 clear_masks(model)
-            c = as_full_cache()
-            press = snap_press(compression_ratio=ratio_for(kb, n), window_size=args.window,
-                               kernel_size=args.kernel_size)
-            for i in range(n_layers):
-                hs, cos, sin = rec_ctx[i]
-                k, v = hf.cache_kv(c, i)
-                k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
-                hf.set_cache_kv(c, i, k2.contiguous(), v2.contiguous())
-                kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
-            tl, nb = held(c)
-            res[f"kvpress-snapkv@{int(round(frac * 100))}%"] = {
-                **ask(model, tok, c, qst, key, args.gen_steps), "kv_bytes": nb, "tokens_per_layer": tl}
         kvc.detach()
     return res, extra
 
@@ -255,6 +257,23 @@ def multi_question(model, tok, novels, rng, args):
     return out
 
 
+def merge(parts: list) -> dict:
+    """One result from the --part runs of the same trials (same seed: same prompts and keys)."""
+    data = parts[0]
+    for other in parts[1:]:
+        if [r["key"] for r in other["records"]] != [r["key"] for r in data["records"]]:
+            raise ValueError("--table: the files hold different trials (seeds or arguments differ)")
+        for r, o in zip(data["records"], other["records"]):
+            if r["results"]["full"]["toks"] != o["results"]["full"]["toks"]:
+                raise ValueError(f"--table: trial {r['key']}: the full cache answers differ")
+            r["results"].update({k: v for k, v in o["results"].items() if k != "full"})
+            if o.get("timing"):
+                r["timing"] = {**(r.get("timing") or {}), **o["timing"]}
+        data["multi"] = data.get("multi") or other.get("multi")
+        data.setdefault("merged", []).append({"args": other["args"], "commit": other["commit"]})
+    return data
+
+
 def table(data) -> str:
     recs = data["records"]
     names = list(recs[0]["results"])
@@ -265,19 +284,30 @@ def table(data) -> str:
         tl = [t for r in recs for t in r["results"][nm]["tokens_per_layer"]]
         mib = "masked, not freed" if kb[0] is None else f"{sum(kb) / len(kb) / 2**20:.1f}"
         rows.append(f"| {nm} | {hits}/{len(recs)} | {mib} | {min(tl):.0f}..{max(tl):.0f} |")
+    depths = sorted({r["depth"] for r in recs})
+    rows += ["", "| config | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
+             "|---|" + "---|" * len(depths)]
+    for nm in names:
+        cells = []
+        for d in depths:
+            at = [r["results"][nm]["hit"] for r in recs if r["depth"] == d]
+            cells.append(f"{sum(at)}/{len(at)}")
+        rows.append(f"| {nm} | " + " | ".join(cells) + " |")
     out = "\n".join(rows)
     tm = [r["timing"] for r in recs if r.get("timing")]
     if tm:
         med = lambda k: sorted(t[k] for t in tm)[len(tm) // 2]  # noqa: E731
         out += "\n\n| method (median of %d trials) | seconds | x plain prefill | peak extra MiB |\n" % len(tm)
         out += "|---|---|---|---|\n"
-        base = med("plain_prefill_seconds")
+        base = med("plain_prefill_seconds") if all("plain_prefill_seconds" in t for t in tm) else 1.0
         for k, label in [("plain_prefill", "plain prefill (no compression)"),
                          ("snapkv", "kp.hf.compress_context snapkv"),
                          ("kvzip", "kp.hf.compress_context kvzip"),
                          ("kvpress_kvzip", "kvpress KVzipPress (prefill + scoring)")]:
-            s = med(f"{k}_seconds")
-            out += f"| {label} | {s:.1f} | {s / base:.2f} | {med(f'{k}_peak_extra_bytes') / 2**20:.0f} |\n"
+            if all(f"{k}_seconds" in t for t in tm):
+                s = med(f"{k}_seconds")
+                out += (f"| {label} | {s:.1f} | {s / base:.2f} | "
+                        f"{med(f'{k}_peak_extra_bytes') / 2**20:.0f} |\n")
     if data.get("multi"):
         out += "\n| method (3 questions per compression) | " + " | ".join(COLORS) + " |\n"
         out += "|---|" + "---|" * len(COLORS) + "\n"
@@ -290,27 +320,21 @@ def table(data) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    ap.add_argument("--trials-per-depth", type=int, default=4)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
-    ap.add_argument("--n-sink", type=int, default=4)
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--kernel-size", type=int, default=7)
+    pk.add_trial_args(ap)
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
-    ap.add_argument("--gen-steps", type=int, default=7)
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
-    ap.add_argument("--no-kvpress", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--table", type=Path, help="only print the tables of an earlier --out file")
+    ap.add_argument("--part", choices=("all", "ours", "kvpress-kvzip"), default="all",
+                    help="kvpress's KVzipPress peaks near 20 GB at 4k tokens: on a 24 GB machine run "
+                         "the parts in two processes (same seed, same prompts) and merge with --table")
+    ap.add_argument("--table", type=Path, nargs="+",
+                    help="only print the tables of earlier --out files (--part runs merged)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "context_results.json")
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(args.table.read_text())))
+        print(table(merge([json.loads(f.read_text()) for f in args.table])))
         return
 
     from tqdm import tqdm
@@ -326,7 +350,8 @@ def main() -> None:
         logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)  # a warning per press
         kvz = _KVzipScores(kvpress)
     kvc = hf.KVCompressor(model, "full", 1.0, n_sink=args.n_sink, window=args.window,
-                          kernel_size=args.kernel_size, compress_on_prefill=False, track_h2o=True)
+                          kernel_size=args.kernel_size, compress_on_prefill=False,
+                          track_h2o=args.part != "kvpress-kvzip")
     rec = pk.Recorder(model, args.window + 1)
     rec.remove()
     rng = random.Random(args.seed)
@@ -342,21 +367,26 @@ def main() -> None:
         res, extra = run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz)
         rec_j = {"tokens": n, "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1],
                  "depth": depth, "key": key, "novel": novel, "results": res, "timing": None}
-        if j < args.time_trials and kvz is not None:
-            t = time_ours(model, tok, ctx, qst, key, args)
-            t.update(extra)
-            a, b = t.pop("kvzip_generate_toks"), res["kvzip@20%"]["toks"]
-            t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
+        if j < args.time_trials:
+            t = dict(extra)
+            if args.part != "kvpress-kvzip":
+                t.update(time_ours(model, tok, ctx, qst, key, args))
+                a, b = t.pop("kvzip_generate_toks"), res["kvzip@20%"]["toks"]
+                t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
             rec_j["timing"] = t
             tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
         rec_j["seconds"] = time.perf_counter() - t0
+        gc.collect()
+        timing._malloc_trim()
+        rec_j["rss_after_mib"] = (timing._proc_status_kb("VmRSS") or 0) / 1024
         data["records"].append(rec_j)
         for c, r in res.items():
             hits.setdefault(c, []).append(r["hit"])
         bar.set_postfix({c: f"{sum(hits[c])}/{len(hits[c])}" for c in
                          ("full", "kvzip@20%", "kvzip@10%", "snapkv@20%", "kvpress-kvzip@20%") if c in hits})
         args.out.write_text(json.dumps(data, indent=1))
-    for _ in tqdm(range(args.multi_trials), desc="three questions", unit="context"):
+    for _ in tqdm(range(args.multi_trials if args.part != "kvpress-kvzip" else 0),
+                  desc="three questions", unit="context"):
         data["multi"].append(multi_question(model, tok, novels, rng, args))
         args.out.write_text(json.dumps(data, indent=1))
     print(table(data))

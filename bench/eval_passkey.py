@@ -109,6 +109,20 @@ def layers_of(cache, n_layers):
     return [hf.cache_kv(cache, i) for i in range(n_layers)]
 
 
+def apply_press(press, kvc, cache, recorded, attn) -> None:
+    """A kvpress press's ``compress`` on every layer of ``cache`` with the recorded layer inputs;
+    the hooks are told every kept slot is valid and not to evict while decoding (kvpress
+    compresses the prefill only)."""
+    for i in range(len(attn)):
+        hs, cos, sin = recorded[i]
+        k, v = hf.cache_kv(cache, i)
+        k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
+        hf.set_cache_kv(cache, i, k2.contiguous(), v2.contiguous())
+        kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
+        kvc.layers[i].cap, kvc.layers[i].h2o = None, None
+    kvc.policy = "snapkv"
+
+
 @torch.no_grad()
 def decode(model, cache, first_token, steps, tok=None, key=None):
     """Greedy decode; stops early once ``key`` appears in the text."""
@@ -152,15 +166,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, budgets, presses, gen_steps):
             name = pol if frac is None else f"{pol}@{int(round(frac * 100))}%"
             kb = n if frac is None else hf.resolve_budget(frac, n)
             if pol in presses:
-                press = presses[pol](compression_ratio=1.0 - (kb + 0.5) / n)
-                for i in range(n_layers):
-                    hs, cos, sin = recd[i]
-                    k, v = hf.cache_kv(c, i)
-                    k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
-                    hf.set_cache_kv(c, i, k2.contiguous(), v2.contiguous())
-                    kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
-                    kvc.layers[i].cap, kvc.layers[i].h2o = None, None
-                kvc.policy = "snapkv"  # no decode-time eviction (kvpress compresses the prefill only)
+                apply_press(presses[pol](compression_ratio=1.0 - (kb + 0.5) / n), kvc, c, recd, attn)
             elif pol != "full":
                 kvc.policy = pol
                 kvc.compress_cache(c, pol, kb)
@@ -177,8 +183,8 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, budgets, presses, gen_steps):
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trial_args(ap: argparse.ArgumentParser) -> None:
+    """The passkey options eval_passkey.py and eval_context.py share."""
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="prompt lengths")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--trials-per-depth", type=int, default=4)
@@ -188,11 +194,16 @@ def main() -> None:
     ap.add_argument("--kernel-size", type=int, default=7)
     ap.add_argument("--gen-steps", type=int, default=7)
     ap.add_argument("--no-kvpress", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trial_args(ap)
     ap.add_argument("--check-generate", type=int, default=1,
                     help="trials on which plain model.generate and kp.hf.compress(...) + generate "
                          "are also run and compared with the shared-prefill answers")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "passkey_results.json")
     args = ap.parse_args()
 

@@ -22,6 +22,12 @@ Policies (``budget``: a fraction of the prompt length in (0, 1], or a token coun
   the last ``window`` tokens and the highest-score keys (``kp.select_keep`` /
   ``kp.gather_kv``); during decode scores keep accumulating and the lowest-score key
   outside sinks and recent window is evicted per KV head, so each layer holds ``budget``.
+* ``"kvzip"``     -- query-agnostic: keys scored by the model's attention while it reconstructs
+  the context (:func:`compress_context` only: it runs the reconstruction forwards).
+
+:func:`compress_context` (in ``hf_context``) prefills a context once, compresses it under any
+policy, with a uniform or a global (``kp.layer_budgets``) budget, and answers any number of
+questions from it (``kvc.generate``).
 
 How it hooks in: a forward hook on every attention module recomputes that layer's post-RoPE
 queries from the layer input (the module's own ``q_proj`` / ``q_norm`` /
