@@ -14,6 +14,7 @@ chunk.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -143,7 +144,7 @@ class CompressedContext:
         follow one another. Streaming and h2o keep evicting while decoding, down to their
         budget per layer; the other policies let the cache grow by the new tokens.
         """
-        for name in ("input_ids", "past_key_values", "attention_mask", "cache_position",
+        for name in ("input_ids", "past_key_values", "cache", "attention_mask", "cache_position",
                      "position_ids", "inputs_embeds"):
             if name in generate_kwargs:
                 raise ValueError(f"{name}: set by CompressedContext.generate itself")
@@ -153,21 +154,26 @@ class CompressedContext:
         if question_ids.shape[0] != b or question_ids.shape[1] < 1:
             raise ValueError(f"question_ids: expected [{b}, q >= 1], got {list(question_ids.shape)}")
         q = question_ids.to(self.context_ids.device)
-        ids = torch.cat([self.context_ids, q], 1)
+        mask = torch.ones(b, n + q.shape[1], dtype=torch.long, device=q.device)
+        params = inspect.signature(self.model.forward).parameters
+        if "cache_position" in params:  # transformers < 5.2x: generate slices ids by cache_position
+            ids, cut = torch.cat([self.context_ids, q], 1), n
+            extra = {"cache_position": torch.arange(n, n + q.shape[1], device=q.device)}
+        else:  # later: only the new ids, positions from the full-length attention mask
+            ids, cut, extra = q, 0, {}
+        extra[_cache_name(self.model)] = self.cache()
         comp = self._compressor
         comp.restore(self._state)
         comp.attach()
         try:
             with torch.no_grad():
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=self.cache(),
-                    cache_position=torch.arange(n, ids.shape[1], device=ids.device),
-                    **generate_kwargs)
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **extra,
+                                          **generate_kwargs)
         finally:
             comp.detach()
         if isinstance(out, torch.Tensor):
-            return out[:, n:]
-        out.sequences = out.sequences[:, n:]
+            return out[:, cut:]
+        out.sequences = out.sequences[:, cut:]
         return out
 
 
@@ -222,7 +228,7 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
     try:
         with torch.no_grad():
             t0 = time.perf_counter()
-            comp.base(input_ids=context_ids, past_key_values=cache, use_cache=True)
+            comp.base(input_ids=context_ids, use_cache=True, **{_cache_name(comp.base): cache})
             t1 = time.perf_counter()
             if prompt is not None:
                 comp.score_reconstruction(lambda: _reconstruct(comp, cache, prompt.chunks(
@@ -237,7 +243,7 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
 def _reconstruct(comp: "hf.KVCompressor", cache, chunks: list[torch.Tensor], n: int) -> None:
     """Teacher-forced reconstruction forwards, the cache cropped back to the context after each."""
     for ids in chunks:
-        comp.base(input_ids=ids, past_key_values=cache, use_cache=True)
+        comp.base(input_ids=ids, use_cache=True, **{_cache_name(comp.base): cache})
         for i in range(len(comp.layers)):
             k, v = hf.cache_kv(cache, i)
             hf.set_cache_kv(cache, i, k[:, :, :n], v[:, :, :n])
@@ -255,6 +261,12 @@ def _compress(comp: "hf.KVCompressor", cache, policy: str, budget, scope: str, n
     scores = [comp.selection_scores(cache, i) for i in layers]
     for i, k_l in zip(layers, kp.layer_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)):
         comp.compress_layer(cache, i, policy, k_l)
+
+
+def _cache_name(module) -> str:
+    """The forward's cache argument: ``cache`` from transformers 5.2x, ``past_key_values`` before."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _model_tokenizer(model):
