@@ -260,10 +260,14 @@ def multi_question(model, tok, novels, rng, args):
 def merge(parts: list) -> dict:
     """One result from the --part runs of the same trials (same seed: same prompts and keys)."""
     data = parts[0]
+    for i, r in enumerate(data["records"]):
+        r.setdefault("trial", i)
+    by_trial = {r["trial"]: r for r in data["records"]}
     for other in parts[1:]:
-        if [r["key"] for r in other["records"]] != [r["key"] for r in data["records"]]:
-            raise ValueError("--table: the files hold different trials (seeds or arguments differ)")
-        for r, o in zip(data["records"], other["records"]):
+        for i, o in enumerate(other["records"]):
+            r = by_trial.get(o.get("trial", i))
+            if r is None or r["key"] != o["key"]:
+                raise ValueError("--table: the files hold different trials (seeds or arguments differ)")
             if r["results"]["full"]["toks"] != o["results"]["full"]["toks"]:
                 raise ValueError(f"--table: trial {r['key']}: the full cache answers differ")
             r["results"].update({k: v for k, v in o["results"].items() if k != "full"})
@@ -278,33 +282,35 @@ def table(data) -> str:
     recs = data["records"]
     names = list(recs[0]["results"])
     rows = ["| config | hits | KV held (MiB, mean) | tokens per layer (min..max) |", "|---|---|---|---|"]
+    names = list(dict.fromkeys(nm for r in recs for nm in r["results"]))
     for nm in names:
-        hits = sum(r["results"][nm]["hit"] for r in recs)
-        kb = [r["results"][nm]["kv_bytes"] for r in recs]
-        tl = [t for r in recs for t in r["results"][nm]["tokens_per_layer"]]
+        got = [r["results"][nm] for r in recs if nm in r["results"]]
+        kb = [g["kv_bytes"] for g in got]
+        tl = [t for g in got for t in g["tokens_per_layer"]]
         mib = "masked, not freed" if kb[0] is None else f"{sum(kb) / len(kb) / 2**20:.1f}"
-        rows.append(f"| {nm} | {hits}/{len(recs)} | {mib} | {min(tl):.0f}..{max(tl):.0f} |")
+        rows.append(f"| {nm} | {sum(g['hit'] for g in got)}/{len(got)} | {mib} | "
+                    f"{min(tl):.0f}..{max(tl):.0f} |")
     depths = sorted({r["depth"] for r in recs})
     rows += ["", "| config | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
              "|---|" + "---|" * len(depths)]
     for nm in names:
         cells = []
         for d in depths:
-            at = [r["results"][nm]["hit"] for r in recs if r["depth"] == d]
+            at = [r["results"][nm]["hit"] for r in recs if r["depth"] == d and nm in r["results"]]
             cells.append(f"{sum(at)}/{len(at)}")
         rows.append(f"| {nm} | " + " | ".join(cells) + " |")
     out = "\n".join(rows)
     tm = [r["timing"] for r in recs if r.get("timing")]
+    med = lambda k: sorted(t[k] for t in tm if k in t)[len([t for t in tm if k in t]) // 2]  # noqa: E731
     if tm:
-        med = lambda k: sorted(t[k] for t in tm)[len(tm) // 2]  # noqa: E731
         out += "\n\n| method (median of %d trials) | seconds | x plain prefill | peak extra MiB |\n" % len(tm)
         out += "|---|---|---|---|\n"
-        base = med("plain_prefill_seconds") if all("plain_prefill_seconds" in t for t in tm) else 1.0
+        base = med("plain_prefill_seconds") if any("plain_prefill_seconds" in t for t in tm) else 1.0
         for k, label in [("plain_prefill", "plain prefill (no compression)"),
                          ("snapkv", "kp.hf.compress_context snapkv"),
                          ("kvzip", "kp.hf.compress_context kvzip"),
                          ("kvpress_kvzip", "kvpress KVzipPress (prefill + scoring)")]:
-            if all(f"{k}_seconds" in t for t in tm):
+            if any(f"{k}_seconds" in t for t in tm):
                 s = med(f"{k}_seconds")
                 out += (f"| {label} | {s:.1f} | {s / base:.2f} | "
                         f"{med(f'{k}_peak_extra_bytes') / 2**20:.0f} |\n")
@@ -326,6 +332,9 @@ def main() -> None:
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
+    ap.add_argument("--only-trials", type=int, nargs="+",
+                    help="run only these trial indices (one process per KVzipPress trial keeps "
+                         "its ~20 GB peak off the next one's)")
     ap.add_argument("--part", choices=("all", "ours", "kvpress-kvzip"), default="all",
                     help="kvpress's KVzipPress peaks near 20 GB at 4k tokens: on a 24 GB machine run "
                          "the parts in two processes (same seed, same prompts) and merge with --table")
@@ -363,10 +372,13 @@ def main() -> None:
     for j, (n, depth) in enumerate(bar):
         key = str(rng.randrange(10000, 100000))
         ctx, qst, novel = pk.build_prompt(tok, novels, n, depth, key, rng)
+        if args.only_trials is not None and j not in args.only_trials:
+            continue  # the prompt was still drawn, so later trials get the same ones
         t0 = time.perf_counter()
         res, extra = run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz)
-        rec_j = {"tokens": n, "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1],
-                 "depth": depth, "key": key, "novel": novel, "results": res, "timing": None}
+        rec_j = {"trial": j, "tokens": n, "context_tokens": ctx.shape[1],
+                 "question_tokens": qst.shape[1], "depth": depth, "key": key, "novel": novel,
+                 "results": res, "timing": None}
         if j < args.time_trials:
             t = dict(extra)
             if args.part != "kvpress-kvzip":
