@@ -239,8 +239,9 @@ def multi_question(model, tok, novels, rng, args):
                 f"only.{post}The {c} pass key is")
         qs[c] = torch.tensor([tok(text, add_special_tokens=False).input_ids])
     out = {"keys": keys, "novel": novel, "methods": {}}
-    for pol, scope in MULTI_METHODS:
-        kvc = kp.hf.compress_context(model, ctx, pol, 0.2 if pol != "full" else 1.0,
+    methods = [(p, sc, f) for p, sc in MULTI_METHODS for f in ([1.0] if p == "full" else args.multi_budgets)]
+    for pol, scope, frac in methods:
+        kvc = kp.hf.compress_context(model, ctx, pol, frac,
                                      budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
                                      window=args.kvzip_window if pol == "kvzip" else args.window,
                                      kernel_size=args.kernel_size,
@@ -251,7 +252,7 @@ def multi_question(model, tok, novels, rng, args):
                              pad_token_id=tok.pad_token_id)
             text = tok.decode(g[0, qs[c].shape[1]:])
             answers[c] = {"text": text, "hit": keys[c] in text}
-        out["methods"][name_of(pol, scope, None if pol == "full" else 0.2)] = {
+        out["methods"][name_of(pol, scope, None if pol == "full" else frac)] = {
             "answers": answers, "tokens_per_layer": kvc.tokens_per_layer, "kv_bytes": kvc.nbytes,
             "compress_seconds": kvc.compress_seconds, "prefill_seconds": kvc.prefill_seconds}
     return out
@@ -280,7 +281,6 @@ def merge(parts: list) -> dict:
 
 def table(data) -> str:
     recs = data["records"]
-    names = list(recs[0]["results"])
     rows = ["| config | hits | KV held (MiB, mean) | tokens per layer (min..max) |", "|---|---|---|---|"]
     names = list(dict.fromkeys(nm for r in recs for nm in r["results"]))
     for nm in names:
@@ -332,6 +332,8 @@ def main() -> None:
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
+    ap.add_argument("--multi-budgets", type=float, nargs="+", default=[0.2],
+                    help="budgets of the three-question test")
     ap.add_argument("--only-trials", type=int, nargs="+",
                     help="run only these trial indices (one process per KVzipPress trial keeps "
                          "its ~20 GB peak off the next one's)")
