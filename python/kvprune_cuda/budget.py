@@ -47,7 +47,8 @@ def layer_budgets(scores: Sequence[torch.Tensor], budget: int, *, n_sink: int = 
     for i, s in enumerate(scores):
         if not isinstance(s, torch.Tensor) or s.dim() != 3 or s.dtype != torch.float32:
             raise ValueError(f"scores[{i}]: expected a fp32 [B, Hkv, n] tensor")
-        shape, dev = scores[0].shape, scores[0].device
+        if i == 0:
+            shape, dev = s.shape, s.device
         if s.shape != shape or s.device != dev:
             raise ValueError(f"scores[{i}]: shape {tuple(s.shape)} on {s.device} differs from "
                              f"scores[0] {tuple(shape)} on {dev}")

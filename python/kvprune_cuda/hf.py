@@ -369,9 +369,14 @@ class KVCompressor:
         if policy == "snapkv":
             s = kp.window_scores(st.q_win, k, gqa=self.gqa)
             return kp.pool_scores(s, self.kernel_size, self.pool, window=self.window)
+        return self._recorded_scores(st, policy, i)
+
+    @staticmethod
+    def _recorded_scores(st: _Layer, policy: str, i: int) -> torch.Tensor:
         s = {"h2o": st.h2o, "kvzip": st.kvzip}.get(policy)
         if s is None:
-            raise ValueError(f"policy: {policy!r} has no scores recorded for layer {i}")
+            raise RuntimeError(f"policy: {policy!r} has no scores recorded for layer {i} (h2o: "
+                             "track_h2o=False?; kvzip: score_reconstruction not run)")
         return s
 
     def _accumulate_h2o(self, st: _Layer, qn: torch.Tensor, k: torch.Tensor) -> None:
@@ -387,8 +392,10 @@ class KVCompressor:
         st.h2o = s
 
     def compress_layer(self, cache, i: int, policy: Optional[str] = None,
-                       budget: Union[int, float, None] = None) -> None:
-        """Compresses layer ``i`` of ``cache`` (not yet compressed) with the captured queries."""
+                       budget: Union[int, float, None] = None,
+                       scores: Optional[torch.Tensor] = None) -> None:
+        """Compresses layer ``i`` of ``cache`` (not yet compressed) with the captured queries,
+        or by ``scores`` (fp32 [B, Hkv, n], unpadded rows: :meth:`selection_scores`) when given."""
         policy = policy or self.policy
         st = self.layers[i]
         k, v = cache_kv(cache, i)
@@ -412,15 +419,12 @@ class KVCompressor:
             lens = (n - pad).to(torch.int32)
         if policy == "streaming":
             kk, vv, idx = kp.streaming(k, v, kb, n_sink=self.n_sink, seq_lens=lens)
-        elif policy == "snapkv":
+        elif policy == "snapkv" and scores is None:
             kk, vv, idx = kp.snapkv(st.q_win, k, v, kb, n_sink=self.n_sink, window=self.window,
                                     kernel_size=self.kernel_size, pool=self.pool, gqa=self.gqa,
                                     seq_lens=lens)
-        elif policy in ("h2o", "kvzip"):
-            s = st.h2o if policy == "h2o" else st.kvzip
-            if s is None:
-                raise RuntimeError(f"{policy}: no scores recorded (h2o: track_h2o=False?; "
-                                   "kvzip: score_reconstruction not run)")
+        elif policy in ("snapkv", "h2o", "kvzip"):
+            s = self._recorded_scores(st, policy, i) if scores is None else scores
             s = s if pad is None else _shift_rows(s, pad, 2)
             idx = kp.select_keep(s.contiguous(), kb, n_sink=self.n_sink, window=self.window,
                                  seq_lens=lens)

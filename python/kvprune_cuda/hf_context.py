@@ -250,17 +250,15 @@ def _reconstruct(comp: "hf.KVCompressor", cache, chunks: list[torch.Tensor], n: 
 
 
 def _compress(comp: "hf.KVCompressor", cache, policy: str, budget, scope: str, n: int) -> None:
-    if policy == "full":
-        comp.compress_cache(cache, "full", 1.0)
-        return
-    if scope == "layer":
-        comp.compress_cache(cache, policy, budget)
+    if scope == "layer" or policy == "full":
+        comp.compress_cache(cache, policy, 1.0 if policy == "full" else budget)
         return
     kb = max(hf.resolve_budget(budget, n), comp.n_sink + comp.window)
     layers = sorted(comp.layers)
     scores = [comp.selection_scores(cache, i) for i in layers]
-    for i, k_l in zip(layers, kp.layer_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)):
-        comp.compress_layer(cache, i, policy, k_l)
+    budgets = kp.layer_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)
+    for i, k_l, s in zip(layers, budgets, scores):  # selects from the scores just ranked
+        comp.compress_layer(cache, i, policy, k_l, scores=s)
 
 
 def _cache_name(module) -> str:
