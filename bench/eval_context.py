@@ -53,6 +53,11 @@ MULTI_METHODS = [("full", "layer"), ("kvzip", "layer"), ("kvzip", "global"), ("s
                  ("h2o", "layer")]
 
 
+def selected(methods, args):
+    """``methods`` ((policy, scope) pairs) that ``--policies`` names; "full" always."""
+    return [m for m in methods if m[0] == "full" or name_of(*m) in args.policies]
+
+
 def name_of(policy, scope, frac=None):
     base = policy + ("-global" if scope == "global" else "")
     return base if frac is None else f"{base}@{int(round(frac * 100))}%"
@@ -119,7 +124,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         model(input_ids=ctx, past_key_values=cache, use_cache=True)
         rec_ctx = dict(rec.data)
         rec.remove()
-        if ours:
+        if ours and any(p == "kvzip" for p, _ in selected(OURS, args)):
             prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
             kvc.score_reconstruction(lambda: hf_context._reconstruct(
                 kvc, cache, prompt.chunks(ctx, args.chunk_size), n), gqa="max")
@@ -135,7 +140,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         kvc.restore(snap)
         for i in range(n_layers):
             kvc.layers[i].valid = torch.ones(kv[i][0].shape[:3], dtype=torch.bool)
-            kvc.layers[i].cap = kvc.layers[i].h2o = None
+            kvc.layers[i].h2o = None
         kvc.policy = "snapkv"  # no decode-time eviction
         return pk.cache_from(kv)
 
@@ -147,14 +152,14 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
     record("full", as_full_cache())
     for frac in args.budgets if ours else ():
         kb = hf.resolve_budget(frac, n)
-        for pol, scope in OURS:
+        for pol, scope in selected(OURS, args):
             kvc.restore(snap)
             c = pk.cache_from(kv)
             kvc.window = args.kvzip_window if pol == "kvzip" else args.window
             hf_context._compress(kvc, c, pol, kb, scope, n)
             kvc.window = args.window
             record(name_of(pol, scope, frac), c)
-        if kvz is not None:
+        if kvz is not None and "kvpress-snapkv" in args.policies:
             c = as_full_cache()
             pk.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
                                                    window_size=args.window,
@@ -239,7 +244,8 @@ def multi_question(model, tok, novels, rng, args):
                 f"only.{post}The {c} pass key is")
         qs[c] = torch.tensor([tok(text, add_special_tokens=False).input_ids])
     out = {"keys": keys, "novel": novel, "methods": {}}
-    methods = [(p, sc, f) for p, sc in MULTI_METHODS for f in ([1.0] if p == "full" else args.multi_budgets)]
+    methods = [(p, sc, f) for p, sc in selected(MULTI_METHODS, args)
+               for f in ([1.0] if p == "full" else args.multi_budgets)]
     for pol, scope, frac in methods:
         kvc = kp.hf.compress_context(model, ctx, pol, frac,
                                      budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
@@ -274,7 +280,13 @@ def merge(parts: list) -> dict:
             r["results"].update({k: v for k, v in o["results"].items() if k != "full"})
             if o.get("timing"):
                 r["timing"] = {**(r.get("timing") or {}), **o["timing"]}
-        data["multi"] = data.get("multi") or other.get("multi")
+        multi = other.get("multi") or []
+        if data.get("multi") and multi:  # the same contexts: methods of later files win
+            if [m["keys"] for m in data["multi"]] != [m["keys"] for m in multi]:
+                raise ValueError("--table: the files hold different three-question contexts")
+            for m, o in zip(data["multi"], multi):
+                m["methods"].update({k: v for k, v in o["methods"].items() if k != "full"})
+        data["multi"] = data.get("multi") or multi
         data.setdefault("merged", []).append({"args": other["args"], "commit": other["commit"]})
     return data
 
@@ -340,6 +352,8 @@ def main() -> None:
     ap.add_argument("--part", choices=("all", "ours", "kvpress-kvzip"), default="all",
                     help="kvpress's KVzipPress peaks near 20 GB at 4k tokens: on a 24 GB machine run "
                          "the parts in two processes (same seed, same prompts) and merge with --table")
+    ap.add_argument("--policies", nargs="+", default=[name_of(*m) for m in OURS] + ["kvpress-snapkv"],
+                    help="our methods (and kvpress's SnapKVPress) to run; the full cache always runs")
     ap.add_argument("--table", type=Path, nargs="+",
                     help="only print the tables of earlier --out files (--part runs merged)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "context_results.json")
@@ -381,7 +395,7 @@ def main() -> None:
         rec_j = {"trial": j, "tokens": n, "context_tokens": ctx.shape[1],
                  "question_tokens": qst.shape[1], "depth": depth, "key": key, "novel": novel,
                  "results": res, "timing": None}
-        if j < args.time_trials:
+        if j < args.time_trials and "kvzip" in args.policies:
             t = dict(extra)
             if args.part != "kvpress-kvzip":
                 t.update(time_ours(model, tok, ctx, qst, key, args))

@@ -119,7 +119,7 @@ def apply_press(press, kvc, cache, recorded, attn) -> None:
         k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
         hf.set_cache_kv(cache, i, k2.contiguous(), v2.contiguous())
         kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
-        kvc.layers[i].cap, kvc.layers[i].h2o = None, None
+        kvc.layers[i].h2o = None
     kvc.policy = "snapkv"
 
 

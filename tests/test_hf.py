@@ -219,16 +219,19 @@ def test_h2o_decode_keeps_budget_and_sinks(model, gen):
         with torch.no_grad():
             model.generate(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                            past_key_values=cache, pad_token_id=0)
-        st = kvc.layers[0]
-        assert st.valid.shape[2] == 20 and bool(st.valid.all())
-    assert hf.cache_kv(cache, 1)[0].shape[2] == 20
+    for layer in range(N_LAYERS):  # 40 prompt tokens + 9 decode forwards, 20 slots all in use
+        c = cache.layers[layer].decode
+        assert c.seq_lens.tolist() == [49] and c.k.shape[2] == 20 and bool((c.slot_pos >= 0).all())
+        assert bool((c.slot_pos[..., :4] == torch.arange(4, dtype=torch.int32)).all())  # sinks
+    assert kvc.kept == 20 and hf.cache_kv(cache, 1)[0].shape[2] == 20
 
 
 def test_query_agnostic_two_forwards(model, gen):
     """Context compressed alone, then a multi-token question on the compressed cache: the hooks'
-    mask keeps the question causal (a wrong mask would let question tokens see later ones)."""
+    mask keeps the question causal (a wrong mask would let question tokens see later ones).
+    Streaming's capacity (65) holds context and question: nothing is evicted."""
     ctx, qst = _ids(gen, 1, 60), _ids(gen, 1, 5)
-    with kp.hf.compress(model, policy="streaming", budget=60, n_sink=4, window=8):
+    with kp.hf.compress(model, policy="streaming", budget=65, n_sink=4, window=8):
         cache = transformers.DynamicCache()
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
@@ -281,42 +284,40 @@ def test_h2o_scores_are_accumulated_attention(model, gen):
 def _positions(calls, layer):
     """Per call of one layer: the stream position held in every slot of every KV head.
 
-    Each call's new tokens are the last ``q`` rows of its key tensor, at the next positions;
-    every other row is identified by exact equality with a key seen earlier (random keys are
-    distinct). Returns [(pos [Hkv, L] long, weights [Hq, q, L] double)] per call (B = 1)."""
+    A call's new tokens are the key rows never seen before (random keys are distinct), at the
+    next positions in slot order (one token per decode call; the prefill is in order); every
+    other row is identified by exact equality with a key seen earlier. Returns
+    [(pos [Hkv, L] long, weights [Hq, q, L] double)] per call (B = 1)."""
     seen: list[dict] = [dict() for _ in range(HKV)]  # per KV head: key bytes -> position
     count, out = 0, []
     for query, key, weights in calls[layer]:
         q, length = query.shape[2], key.shape[2]
         pos = torch.empty(HKV, length, dtype=torch.long)
         for g in range(HKV):
+            new = 0
             for s in range(length):
                 row = key[0, g, s].numpy().tobytes()
-                if s >= length - q:
-                    seen[g][row] = count + s - (length - q)
+                if row not in seen[g]:
+                    seen[g][row] = count + new
+                    new += 1
                 pos[g, s] = seen[g][row]
+            assert new == q, (layer, g, new, q)
         count += q
         out.append((pos, weights[0]))
     return out
 
 
-def _held_after(model, cache, calls, layer):
-    """Positions [Hkv, C] held by ``layer`` after each call: the next call's pre-eviction rows
-    minus its new token, and for the last call the cache itself."""
-    steps = _positions(calls, layer)
-    held = [pos[:, :-query_len] for (pos, _), query_len in
-            zip(steps[1:], [c[0].shape[2] for c in calls[layer][1:]])]
-    k_final = hf.cache_kv(cache, layer)[0]
-    lookup = [{calls[layer][-1][1][0, g, s].numpy().tobytes(): int(steps[-1][0][g, s])
-               for s in range(steps[-1][0].shape[1])} for g in range(HKV)]
-    held.append(torch.tensor([[lookup[g][k_final[0, g, s].numpy().tobytes()]
-                               for s in range(k_final.shape[2])] for g in range(HKV)]))
-    return steps, held
+def _slot_positions(cache, layer):
+    """[Hkv, C] positions a FixedCapacityLayer holds (B = 1)."""
+    lay = cache.layers[layer]
+    assert type(lay).__name__ == "FixedCapacityLayer"
+    return lay.decode.slot_pos[0].long()
 
 
 def test_streaming_decode_holds_sinks_and_most_recent(model, gen):
-    """After every decode step each layer and KV head holds exactly the sinks plus the most
-    recent ``budget - n_sink`` positions seen so far (not the first ones, not a mix)."""
+    """At every decode step each layer and KV head attends over exactly the sinks plus the
+    ``budget - n_sink`` most recent positions, the new token's included (StreamingLLM: room is
+    made before the token is attended), and the cache ends holding the same."""
     n, budget, sinks, new = 40, 16, 4, 10
     ids = _ids(gen, 1, n)
     cache = transformers.DynamicCache()
@@ -327,19 +328,20 @@ def test_streaming_decode_holds_sinks_and_most_recent(model, gen):
                                do_sample=False, past_key_values=cache, pad_token_id=0)
     for layer in range(N_LAYERS):
         assert len(calls[layer]) == new  # the prefill, then one call per decoded token but the last
-        _, held = _held_after(model, cache, calls, layer)
-        for step, pos in enumerate(held):
-            total = n + step  # tokens seen after this call
+        steps = _positions(calls, layer)
+        held = [pos for pos, _ in steps[1:]] + [_slot_positions(cache, layer)]
+        for step, pos in enumerate(held, start=1):
+            total = n + step if step < new else n + new - 1  # tokens seen by this call
             want = list(range(sinks)) + list(range(total - (budget - sinks), total))
             for g in range(HKV):
-                assert pos[g].tolist() == want, (layer, step, g)
+                assert sorted(pos[g].tolist()) == want, (layer, step, g)
 
 
 def test_h2o_decode_evicts_lowest_accumulated_attention(model, gen):
     """H2O: after the prefill each layer keeps sinks, the last ``window`` and the highest
-    accumulated prompt attention; at each decode step the evicted position is the one with the
-    lowest accumulated attention (eager softmax weights of every query so far, GQA mean) among
-    those outside the sinks and the ``window`` most recent held tokens."""
+    accumulated prompt attention; before each decoded token is attended, the slot given up for
+    it is the one with the lowest accumulated attention (eager softmax weights of every query
+    so far, GQA mean) among positions outside the sinks and the ``window`` most recent."""
     n, budget, sinks, w, new = 40, 20, 4, 8, 12
     ids = _ids(gen, 1, n)
     cache = transformers.DynamicCache()
@@ -351,56 +353,102 @@ def test_h2o_decode_evicts_lowest_accumulated_attention(model, gen):
     group = HQ // HKV
     evictions = 0
     for layer in range(N_LAYERS):
-        steps, held = _held_after(model, cache, calls, layer)
+        steps = _positions(calls, layer)
         score = torch.zeros(HKV, n + new, dtype=torch.float64)  # accumulated, by position
-        for step, ((pos, weights), after) in enumerate(zip(steps, held)):
-            mass = weights.sum(1).view(HKV, group, -1).mean(1)  # [Hkv, L]
+        (pos0, weights0), decode = steps[0], steps[1:]
+        score.scatter_add_(1, pos0, weights0.sum(1).view(HKV, group, -1).mean(1))
+        middle = torch.arange(sinks, n - w)
+        before = []  # per KV head: positions held after the prefill compression
+        for g in range(HKV):
+            top = middle[torch.sort(-score[g, sinks:n - w], stable=True).indices]
+            before.append(sorted(list(range(sinks)) + top[:budget - sinks - w].tolist()
+                                 + list(range(n - w, n))))
+        for step, (pos, weights) in enumerate(decode, start=1):
+            seen = n + step - 1  # tokens seen before this call's token
             for g in range(HKV):
-                score[g].index_add_(0, pos[g], mass[g])
-                if step == 0:  # prefill: sinks + window + top scores of the middle
-                    middle = torch.arange(sinks, n - w)
-                    top = middle[torch.sort(-score[g, sinks:n - w], stable=True).indices]
-                    want = sorted(list(range(sinks)) + top[:budget - sinks - w].tolist()
-                                  + list(range(n - w, n)))
-                    assert after[g].tolist() == want, (layer, g)
-                    continue
-                cand = pos[g, sinks:pos.shape[1] - w]  # held, minus sinks and recent window
+                cand = torch.tensor([p for p in before[g] if sinks <= p < seen - w])
                 victim = int(cand[torch.argmin(score[g, cand])])
-                want = [p for p in pos[g].tolist() if p != victim]
-                assert after[g].tolist() == want, (layer, step, g)
+                want = sorted([p for p in before[g] if p != victim] + [seen])
+                assert sorted(pos[g].tolist()) == want, (layer, step, g)
                 gap = torch.sort(score[g, cand]).values[:2]
                 assert float(gap[1] - gap[0]) > 1e-6, "tie: the choice would be ambiguous"
                 evictions += 1
+            score.scatter_add_(1, pos, weights.sum(1).view(HKV, group, -1).mean(1))
+            before = [sorted(pos[g].tolist()) for g in range(HKV)]
+        final = _slot_positions(cache, layer)
+        assert [sorted(final[g].tolist()) for g in range(HKV)] == before
+        got = cache.layers[layer].decode.h2o_scores[0].double()  # the scores the op accumulated
+        torch.testing.assert_close(got, torch.gather(score, 1, final), rtol=1e-4, atol=1e-5)
     assert evictions == N_LAYERS * HKV * (new - 1)
+
+
+def test_h2o_long_forward_keeps_all_its_tokens(model, gen):
+    """A forward of more new tokens than one kp.h2o_evict call frees (64) makes room piece by
+    piece, and no piece evicts the tokens of an earlier one (they have no score yet)."""
+    n, q_len, budget = 120, 70, 100
+    with kp.hf.compress(model, policy="h2o", budget=budget, n_sink=4, window=8):
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model(input_ids=_ids(gen, 1, n), past_key_values=cache, use_cache=True)
+            model(input_ids=_ids(gen, 1, q_len), past_key_values=cache, use_cache=True)
+    for layer in range(N_LAYERS):
+        for g, held in enumerate(_slot_positions(cache, layer).tolist()):
+            assert set(range(n, n + q_len)) <= set(held), (layer, g)
+            assert set(range(4)) <= set(held) and len(set(held)) == budget, (layer, g)
+
+
+def test_fixed_capacity_forward_too_long_is_refused(model, gen):
+    """More new tokens in one forward than a streaming / h2o cache can make room for."""
+    ctx = _ids(gen, 1, 40)
+    for policy, budget, room in (("streaming", 16, 12), ("h2o", 20, 8)):
+        with kp.hf.compress(model, policy=policy, budget=budget, n_sink=4, window=8):
+            cache = transformers.DynamicCache()
+            with torch.no_grad():
+                model(input_ids=ctx, past_key_values=cache, use_cache=True)
+                model(input_ids=_ids(gen, 1, room), past_key_values=cache, use_cache=True)
+                with pytest.raises(ValueError, match=f"at most {room} per forward"):
+                    model(input_ids=_ids(gen, 1, room + 1), past_key_values=cache, use_cache=True)
 
 
 # ---- query-agnostic: a compressed context, then a multi-token question ----------------------
 
 
-def _agnostic_expected_idx(policy, calls, budget, sinks, w):
-    """Kept positions per layer [1, Hkv, budget] after compressing the context alone, from the
-    context's own eager queries / weights and kvprune_cuda.reference."""
-    out = {}
+def _agnostic_expected_idx(policy, calls, budget, sinks, w, q_len):
+    """Per layer, from the context's own eager queries / weights and kvprune_cuda.reference:
+    the positions [1, Hkv, budget] kept after compressing the context alone, and those the
+    question attends to: for streaming / h2o (fixed capacity) the kept ones minus the room
+    made for its ``q_len`` tokens (the oldest non-sinks; h2o: the lowest accumulated attention
+    outside sinks and window, ties to the oldest), for snapkv all of them."""
+    kept, attended = {}, {}
     for layer, ((query, key, weights),) in ((i, c[:1]) for i, c in calls.items()):
         n = key.shape[2]
+        mass = weights[0].sum(1).view(HKV, HQ // HKV, n).mean(1)[None].float()  # h2o's scores
         if policy == "streaming":
-            out[layer] = ref.streaming_indices(1, HKV, n, budget, n_sink=sinks)
+            kept[layer] = ref.streaming_indices(1, HKV, n, budget, n_sink=sinks)
         elif policy == "snapkv":
             scores = ref.window_scores(query[:, :, -w:], key)
             pooled = ref.pool_scores(scores, 7, "max", window=w)
-            out[layer] = ref.select_keep(pooled, budget, n_sink=sinks, window=w)
+            kept[layer] = ref.select_keep(pooled, budget, n_sink=sinks, window=w)
         else:  # h2o: attention of every context query, GQA mean
-            mass = weights[0].sum(1).view(HKV, HQ // HKV, n).mean(1)[None].float()
-            out[layer] = ref.select_keep(mass, budget, n_sink=sinks, window=w)
-    return out
+            kept[layer] = ref.select_keep(mass, budget, n_sink=sinks, window=w)
+        idx = kept[layer].long()
+        if policy == "snapkv":
+            attended[layer] = idx
+            continue
+        # the kept positions ranked for eviction: sinks and window never, then by score, oldest first
+        key_ = torch.gather(mass, 2, idx) if policy == "h2o" else idx.float()
+        protected = (idx < sinks) | ((idx >= n - w) & (policy == "h2o"))
+        order = torch.sort(key_.masked_fill(protected, float("inf")), dim=2, stable=True).indices
+        attended[layer] = torch.sort(torch.gather(idx, 2, order[..., q_len:]), dim=2).values
+    return kept, attended
 
 
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o"])
 def test_query_agnostic_compressed_context_then_question(model, gen, policy):
     """A 60-token context compressed to 24 tokens on its own, then a 5-token question in one
     forward: its logits equal the question fed one token at a time to a plain DynamicCache
-    built by hand from the full context cache at the independently computed kept positions
-    (original RoPE positions, no hooks). Everything runs in eager attention, so the context
+    built by hand from the full context cache at the independently computed positions the
+    question attends to (original RoPE positions, no hooks). Everything runs in eager attention, so the context
     forwards with and without hooks are bitwise the same."""
     n, q_len, budget, sinks, w = 60, 5, 24, 4, 8
     ctx, qst = _ids(gen, 1, n), _ids(gen, 1, q_len)
@@ -413,7 +461,7 @@ def _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w):
     with torch.no_grad():
         full = transformers.DynamicCache()
         model(input_ids=ctx, past_key_values=full, use_cache=True)
-    keep = _agnostic_expected_idx(policy, calls, budget, sinks, w)
+    keep, attended = _agnostic_expected_idx(policy, calls, budget, sinks, w, q_len)
     with kp.hf.compress(model, policy=policy, budget=budget, n_sink=sinks, window=w,
                         kernel_size=7) as kvc:
         cache = transformers.DynamicCache()
@@ -422,12 +470,15 @@ def _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w):
             assert kvc.kept == budget
             for layer in range(N_LAYERS):
                 got = hf.cache_kv(cache, layer)[0]
+                if policy != "snapkv":  # slots in position order
+                    order = _slot_positions(cache, layer).argsort(1)[None, :, :, None]
+                    got = torch.gather(got, 2, order.expand(got.shape))
                 want = ref.gather_kv(*hf.cache_kv(full, layer), keep[layer])[0]
                 assert torch.equal(got, want.to(got.dtype)), layer
             lg_two = model(input_ids=qst, past_key_values=cache, use_cache=True).logits
     by_hand = transformers.DynamicCache()
     for layer in range(N_LAYERS):
-        kk, vv = ref.gather_kv(*hf.cache_kv(full, layer), keep[layer])
+        kk, vv = ref.gather_kv(*hf.cache_kv(full, layer), attended[layer])
         by_hand.update(kk.contiguous(), vv.contiguous(), layer)
     rows = []
     with torch.no_grad():

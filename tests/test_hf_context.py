@@ -90,6 +90,9 @@ def _assert_layers(cache, full, idx):
     for i in range(N_LAYERS):
         want_k, want_v = ref.gather_kv(*hf.cache_kv(full, i), idx[i])
         got_k, got_v = hf.cache_kv(cache, i)
+        if hasattr(cache.layers[i], "decode"):  # fixed capacity (streaming / h2o): by position
+            order = cache.layers[i].decode.slot_pos.long().argsort(2)[..., None]
+            got_k, got_v = (torch.gather(x, 2, order.expand(x.shape)) for x in (got_k, got_v))
         assert got_k.shape == want_k.shape, i
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), i
 
@@ -206,9 +209,18 @@ def test_full_generate_equals_plain_generate(model, gen):
 
 
 def _layer_state(kvc):
-    c = kvc.cache()
-    return [(k.data_ptr(), v.data_ptr(), k.clone(), v.clone())
-            for k, v in (hf.cache_kv(c, i) for i in range(N_LAYERS))]
+    """Per layer of a question's cache: the storage of K, V and, for fixed-capacity layers,
+    slot positions, lengths and h2o scores (fixed layers are copies: their source's storage),
+    with a copy of the values."""
+    c, out = kvc.cache(), []
+    for i in range(N_LAYERS):
+        lay = c.layers[i]
+        ts = [t for t in lay.decode if t is not None] if hasattr(lay, "decode") else [lay.keys, lay.values]
+        if hasattr(lay, "decode"):
+            assert all(a.data_ptr() != b.data_ptr() for a, b in zip(ts, kvc._layers[i].decode))
+            ts = [t for t in kvc._layers[i].decode if t is not None]
+        out.append([(t.data_ptr(), t.clone()) for t in ts])
+    return out
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -221,9 +233,9 @@ def test_generate_leaves_the_context_unchanged(model, gen, policy):
     assert torch.equal(first.sequences, second.sequences)
     assert all(torch.equal(a, b) for a, b in zip(first.logits, second.logits, strict=True))
     after = _layer_state(kvc)
-    for (pk, pv, k, v), (qk, qv, k2, v2) in zip(before, after, strict=True):
-        assert (pk, pv) == (qk, qv)
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+    for lay_before, lay_after in zip(before, after, strict=True):
+        for (p, t), (p2, t2) in zip(lay_before, lay_after, strict=True):
+            assert p == p2 and torch.equal(t, t2)
     assert kvc.tokens_per_layer == [BUDGET] * N_LAYERS
 
 
@@ -238,13 +250,14 @@ def test_generate_equals_question_on_hand_built_cache(model, gen, policy):
         if policy == "kvzip":
             idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
         else:
-            idx = _agnostic_expected_idx(policy, prefill, BUDGET, SINKS, W)
+            idx, attended = _agnostic_expected_idx(policy, prefill, BUDGET, SINKS, W, qst.shape[1])
         kvc = _compress(model, ctx, policy)
         _assert_layers(kvc.cache(), full, idx)
         out = kvc.generate(qst, **GEN)
         by_hand = transformers.DynamicCache()
-        for i in range(N_LAYERS):
-            by_hand.update(*ref.gather_kv(*hf.cache_kv(full, i), idx[i]), i)
+        for i in range(N_LAYERS):  # streaming / h2o: what remains after making room for qst
+            by_hand.update(*ref.gather_kv(*hf.cache_kv(full, i), idx[i] if policy == "kvzip"
+                                          else attended[i]), i)
         with torch.no_grad():
             for t in range(qst.shape[1]):
                 pos = torch.tensor([[N + t]])

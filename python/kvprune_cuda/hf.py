@@ -11,8 +11,8 @@ Policies (``budget``: a fraction of the prompt length in (0, 1], or a token coun
 
 * ``"full"``      -- nothing is evicted (baseline; identical to plain ``generate``).
 * ``"streaming"`` -- StreamingLLM: ``kp.streaming`` after prefill keeps the ``n_sink`` sinks and
-  the most recent tokens; during decode the oldest non-sink token is evicted so each layer
-  holds at most ``budget`` tokens.
+  the most recent tokens, and each layer becomes a fixed-capacity ring of ``budget`` slots:
+  ``kp.streaming_append`` writes every later token over the oldest non-sink one, in place.
 * ``"snapkv"``    -- dual stage: sinks pinned + SnapKV voting by the real post-RoPE queries of
   the last ``window`` prompt positions of each layer, GQA-native (``kp.snapkv``, no repeated
   K), max/avg pooling, recent window kept. The cache then grows by the generated tokens
@@ -20,8 +20,10 @@ Policies (``budget``: a fraction of the prompt length in (0, 1], or a token coun
 * ``"h2o"``       -- heavy hitters: every query's attention probabilities (GQA-reduced,
   ``kp.window_scores``) accumulate into a per-key score; after prefill the cache keeps sinks,
   the last ``window`` tokens and the highest-score keys (``kp.select_keep`` /
-  ``kp.gather_kv``); during decode scores keep accumulating and the lowest-score key
-  outside sinks and recent window is evicted per KV head, so each layer holds ``budget``.
+  ``kp.gather_kv``), and each layer becomes a fixed-capacity cache of ``budget`` slots: per
+  KV head, ``kp.h2o_evict`` frees the lowest-score slot outside sinks and recent window for
+  each new token, ``kp.streaming_append`` writes it there and ``kp.decode_scores`` adds the
+  step's attention to the scores.
 * ``"kvzip"``     -- query-agnostic: keys scored by the model's attention while it reconstructs
   the context (:func:`compress_context` only: it runs the reconstruction forwards).
 
@@ -37,7 +39,11 @@ original RoPE rotation and new tokens keep their original positions (``cache_pos
 ``position_ids`` count tokens seen, not tokens held), so nothing is re-rotated. Once a cache
 is compressed, the hooks build each layer's attention mask themselves (``[B, Hq, q, held+q]``,
 additive), so left-padded batches and multi-token forwards on a compressed cache (e.g. a
-question after a compressed context: the query-agnostic setting) stay exact. Left padding is
+question after a compressed context: the query-agnostic setting) stay exact. Streaming and h2o
+layers are then :class:`~kvprune_cuda._hf_fixed.FixedCapacityLayer` s (a ``kp.DecodeCache``
+in the DynamicCache): a forward of T tokens makes room for them, writes them in place and
+attends over the ``budget`` slots, causal by position (StreamingLLM's order; at most
+``budget - n_sink`` new tokens per forward, ``budget - n_sink - window`` for h2o). Left padding is
 handled by shifting each row to right padding and passing ``seq_lens`` to the kernels.
 Only ``DynamicCache`` (the default) with eager or SDPA attention is supported.
 """
@@ -120,7 +126,7 @@ class _Layer:
         self.h2o: Optional[torch.Tensor] = None     # fp32 [B, Hkv, L], aligned with cache slots
         self.valid: Optional[torch.Tensor] = None   # bool [B, Hkv, L]; None = not compressed
         self.kvzip: Optional[torch.Tensor] = None   # fp32 [B, Hkv, n] reconstruction scores
-        self.cap: Optional[int] = None               # decode capacity (streaming / h2o)
+        self.fixed = False  # a FixedCapacityLayer in the cache (streaming / h2o, compressed)
 
 
 class KVCompressor:
@@ -141,12 +147,13 @@ class KVCompressor:
         if policy == "kvzip" and compress_on_prefill:
             raise ValueError("policy: 'kvzip' scores by reconstructing the context after its "
                              "prefill; use kp.hf.compress_context")
-        if isinstance(budget, int) and policy != "full" and budget < n_sink + window:
-            raise ValueError(f"budget: {budget} tokens < n_sink + window = {n_sink + window}")
         resolve_budget(budget, 1)
         self.model = model
         self.policy, self.budget = policy, budget
         self.n_sink, self.window, self.kernel_size = int(n_sink), int(window), int(kernel_size)
+        if isinstance(budget, int) and policy != "full" and budget < self._min_keep(policy):
+            raise ValueError(f"budget: {budget} tokens < {self._min_keep(policy)}, the least "
+                             f"policy {policy!r} keeps with n_sink = {n_sink}, window = {window}")
         self.pool, self.gqa = pool, gqa
         self.compress_on_prefill = compress_on_prefill
         self.track_h2o = (policy == "h2o") if track_h2o is None else track_h2o
@@ -174,7 +181,7 @@ class KVCompressor:
 
     @property
     def compressed(self) -> bool:
-        return any(s.valid is not None for s in self.layers.values())
+        return any(s.valid is not None or s.fixed for s in self.layers.values())
 
     def snapshot(self) -> dict:
         """The captured state (shares tensors; the hooks never modify them in place)."""
@@ -220,6 +227,8 @@ class KVCompressor:
         new_valid = (mask2d[:, -q:].bool() if mask2d is not None
                      else torch.ones(b, q, dtype=torch.bool, device=x.device))
         self._new_valid = new_valid
+        if mask2d is not None and any(s.fixed for s in self.layers.values()) and not bool(new_valid.all()):
+            raise ValueError("attention_mask: new tokens on a streaming / h2o cache cannot be padding")
         if not self.compressed:
             self.seen = held
             if held == 0:
@@ -242,11 +251,15 @@ class KVCompressor:
 
     def _attn_pre(self, module, args, kwargs):
         st = self.layers[module.layer_idx]
-        if st.valid is None:
+        if st.valid is None and not st.fixed:
             return args, kwargs
         hs = kwargs.get("hidden_states", args[0] if args else None)
         b, q = hs.shape[:2]
         hq = module.config.num_attention_heads
+        if st.fixed:  # the layer fills the mask once the new tokens are in their slots
+            layer = self._cache.layers[module.layer_idx]
+            kwargs["attention_mask"] = layer.expect(hq, q, hs.dtype)
+            return args, kwargs
         past = st.valid                                                   # [B, Hkv, P]
         g = hq // past.shape[1]
         causal = torch.ones(q, q, dtype=torch.bool, device=hs.device).tril()
@@ -274,6 +287,12 @@ class KVCompressor:
         if self._reconstructing is not None:
             self._fold_reconstruction(module, st, hs, kwargs["position_embeddings"], k)
             return output
+        if st.fixed:
+            if self.policy == "h2o":
+                cos, sin = kwargs["position_embeddings"]
+                cache.layers[i].accumulate(self._queries(module, hs, cos, sin).to(k.dtype),
+                                           scale=getattr(module, "scaling", None), gqa=self.gqa)
+            return output
         if self.policy == "full" and self.compress_on_prefill and st.valid is None:
             if self.seen == 0 and k.shape[2] == q_len:  # nothing to record: plain attention
                 self.prompt_len = self.kept = q_len
@@ -288,8 +307,6 @@ class KVCompressor:
         if st.valid is not None:
             nv = self._new_valid[:, None, :].expand(-1, k.shape[1], -1)
             st.valid = torch.cat([st.valid, nv], 2)
-            if st.cap is not None and k.shape[2] > st.cap:
-                self._evict(i, cache, st)
         elif self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:
             if self.policy == "full":
                 self.prompt_len = self.kept = q_len
@@ -395,29 +412,34 @@ class KVCompressor:
                        budget: Union[int, float, None] = None,
                        scores: Optional[torch.Tensor] = None) -> None:
         """Compresses layer ``i`` of ``cache`` (not yet compressed) with the captured queries,
-        or by ``scores`` (fp32 [B, Hkv, n], unpadded rows: :meth:`selection_scores`) when given."""
+        or by ``scores`` (fp32 [B, Hkv, n], unpadded rows: :meth:`selection_scores`) when given.
+        Streaming and h2o layers become fixed-capacity caches of the budget's size."""
         policy = policy or self.policy
         st = self.layers[i]
         k, v = cache_kv(cache, i)
         b, hkv, n, _ = k.shape
         kb = resolve_budget(self.budget if budget is None else budget, n)
         if policy != "full":
-            kb = max(kb, self.n_sink + self.window)
+            kb = max(kb, self._min_keep(policy))
         self.prompt_len = n
         pad = self._left_pad(n)
-        if policy == "full" or kb >= n:
+        fixed = policy in ("streaming", "h2o")
+        if policy == "full" or (kb >= n and not fixed):
             valid = (torch.ones(b, n, dtype=torch.bool, device=k.device)
                      if self._prefill_valid is None or self._prefill_valid.shape[1] != n
                      else self._prefill_valid)
             st.valid = valid[:, None, :].expand(b, hkv, n).clone()
-            st.cap = kb if policy in ("streaming", "h2o") else None
             self.kept = n
             return
         lens = None
         if pad is not None:
             k, v = _shift_rows(k, pad, 2), _shift_rows(v, pad, 2)
             lens = (n - pad).to(torch.int32)
-        if policy == "streaming":
+        if kb >= n:  # streaming / h2o with room to spare: everything, the cache fills later
+            pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, hkv, n)
+            kk, vv, idx = k, v, (pos if lens is None else
+                                 torch.where(pos < lens[:, None, None], pos, -1))
+        elif policy == "streaming":
             kk, vv, idx = kp.streaming(k, v, kb, n_sink=self.n_sink, seq_lens=lens)
         elif policy == "snapkv" and scores is None:
             kk, vv, idx = kp.snapkv(st.q_win, k, v, kb, n_sink=self.n_sink, window=self.window,
@@ -434,11 +456,26 @@ class KVCompressor:
         if st.h2o is not None:
             s = st.h2o if pad is None else _shift_rows(st.h2o, pad, 2)
             st.h2o = torch.gather(s, 2, idx.clamp_min(0).long()) * (idx >= 0)
-        set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
         st.kvzip = None
-        st.valid = idx >= 0
-        st.cap = kb if policy in ("streaming", "h2o") else None
-        self.kept = kb
+        self.kept = min(kb, n)
+        if not fixed:
+            set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+            st.valid = idx >= 0
+            return
+        from kvprune_cuda._hf_fixed import fixed_layer
+
+        seen = torch.full((b,), n, dtype=torch.int32, device=k.device) if lens is None else lens
+        cache.layers[i] = fixed_layer(kk, vv, idx, seen, capacity=kb, n_sink=self.n_sink,
+                                      recent=self.window,
+                                      h2o_scores=(self._recorded_scores(st, policy, i)
+                                                  if policy == "h2o" else None))
+        st.h2o, st.fixed = None, True
+
+    def _min_keep(self, policy: str) -> int:
+        """The smallest budget ``policy`` can work with: sinks and window, plus, for the
+        fixed-capacity policies, a ring slot (streaming) or a free slot for h2o's next token."""
+        extra = {"streaming": 1 if self.window == 0 else 0, "h2o": 1}.get(policy, 0)
+        return self.n_sink + self.window + extra
 
     def compress_cache(self, cache, policy: Optional[str] = None,
                        budget: Union[int, float, None] = None) -> None:
@@ -450,29 +487,6 @@ class KVCompressor:
             self.policy = policy
         if budget is not None:
             self.budget = budget
-
-    def _evict(self, i: int, cache, st: _Layer) -> None:
-        """Decode-time eviction down to ``st.cap`` slots (streaming: oldest; h2o: lowest score)."""
-        k, v = cache_kv(cache, i)
-        p = k.shape[2]
-        excess = p - st.cap
-        slot = torch.arange(p, device=k.device)
-        rank = st.valid.long().cumsum(2) - 1
-        protect = (rank < self.n_sink) & st.valid
-        if self.policy == "h2o":
-            protect |= slot >= p - self.window
-            key = st.h2o.clone()
-        else:
-            key = slot.to(torch.float32).expand(st.valid.shape).clone()
-        key.masked_fill_(protect, float("inf")).masked_fill_(~st.valid, float("-inf"))
-        drop = torch.argsort(key, dim=2, stable=True)[:, :, :excess]
-        keep = torch.ones_like(st.valid).scatter_(2, drop, False)
-        idx = torch.sort(torch.where(keep, slot, p), dim=2).values[:, :, : st.cap]
-        kk, vv = kp.gather_kv(k, v, idx.to(torch.int32))
-        set_cache_kv(cache, i, kk, vv)
-        st.valid = torch.gather(st.valid, 2, idx)
-        if st.h2o is not None:
-            st.h2o = torch.gather(st.h2o, 2, idx)
 
 
 @contextlib.contextmanager

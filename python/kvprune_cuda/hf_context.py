@@ -91,7 +91,9 @@ class RepeatPrompt:
 class CompressedContext:
     """A compressed context to answer questions from; made by :func:`compress_context`.
 
-    ``tokens_per_layer`` / ``bytes_per_layer``: what each layer holds (K and V);
+    ``tokens_per_layer`` / ``bytes_per_layer``: what each layer holds (K and V; for streaming
+    and h2o the slots of their fixed-capacity cache, whose int32 positions and h2o's fp32
+    scores add 4-8 bytes per slot and KV head);
     ``prefill_seconds``: the context's forward; ``compress_seconds``: what compression
     added (kvzip's reconstruction forwards and scoring, selection, compaction).
     """
@@ -101,13 +103,13 @@ class CompressedContext:
         self.model, self.context_ids = model, context_ids
         self.policy, self.budget = compressor.policy, compressor.budget
         self._compressor = compressor
-        n_layers = len(compressor.layers)
-        self._layers = [hf.cache_kv(cache, i) for i in range(n_layers)]
+        self._layers = [cache.layers[i] for i in range(len(compressor.layers))]
         self._state = compressor.snapshot()
         self.prefill_seconds, self.compress_seconds = prefill_seconds, compress_seconds
-        self.tokens_per_layer = [k.shape[2] for k, _ in self._layers]
-        self.bytes_per_layer = [k.numel() * k.element_size() + v.numel() * v.element_size()
-                                for k, v in self._layers]
+        self.tokens_per_layer = [lay.keys.shape[2] for lay in self._layers]
+        self.bytes_per_layer = [lay.keys.numel() * lay.keys.element_size()
+                                + lay.values.numel() * lay.values.element_size()
+                                for lay in self._layers]
 
     @property
     def context_len(self) -> int:
@@ -125,14 +127,20 @@ class CompressedContext:
                 f"compression {self.compress_seconds:.2f} s)")
 
     def cache(self):
-        """A new DynamicCache sharing this context's K/V tensors (decoding appends by
-        concatenation, so the shared tensors are never written)."""
+        """A new DynamicCache for one question: it shares this context's K/V tensors where
+        decoding appends by concatenation (they are never written), and holds a copy of the
+        fixed-capacity (streaming / h2o) layers, which decoding writes in place."""
         from transformers import DynamicCache
 
+        from kvprune_cuda._hf_fixed import FixedCapacityLayer
+
         c = DynamicCache()
-        for i, (k, v) in enumerate(self._layers):
-            c.update(k[:, :, :0], v[:, :, :0], i)
-            hf.set_cache_kv(c, i, k, v)
+        for i, lay in enumerate(self._layers):
+            c.update(lay.keys[:, :, :0], lay.values[:, :, :0], i)
+            if isinstance(lay, FixedCapacityLayer):
+                c.layers[i] = lay.copy()
+            else:
+                hf.set_cache_kv(c, i, lay.keys, lay.values)
         return c
 
     def generate(self, question_ids: torch.Tensor, **generate_kwargs):
@@ -141,8 +149,9 @@ class CompressedContext:
         Returns what ``generate`` returns with the context cut off: ``[B, q + new]`` ids (or
         its output object with ``sequences`` cut the same way). Positions continue the
         context's (``n, n+1, ...``). The compressed context is not modified, so questions can
-        follow one another. Streaming and h2o keep evicting while decoding, down to their
-        budget per layer; the other policies let the cache grow by the new tokens.
+        follow one another. Streaming and h2o decode in a copy of their fixed-capacity cache,
+        making room for the question and each new token (see :mod:`kvprune_cuda.hf`); the
+        other policies let the cache grow by the new tokens.
         """
         for name in ("input_ids", "past_key_values", "cache", "attention_mask", "cache_position",
                      "position_ids", "inputs_embeds"):
