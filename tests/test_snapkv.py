@@ -227,3 +227,30 @@ def test_cpu_result_independent_of_thread_count(gen):
     assert torch.equal(single_scores, multi_scores)
     for a, b in zip(single, multi):
         assert torch.equal(a, b)
+
+
+def test_out_tensors_receive_the_kept_kv(device, gen):
+    """out_k/out_v (here strided BNHD views of one buffer) get exactly what snapkv returns."""
+    case = Case(kv_heads=2, group=2, length=300, q_window=8, budget=40, window=8)
+    q = randn_tokens(2, case.kv_heads * case.group, case.q_window, case.head_dim,
+                     dtype=torch.bfloat16, device=device, gen=gen)
+    k, v = (randn_tokens(2, case.kv_heads, case.length, case.head_dim, dtype=torch.bfloat16,
+                         device=device, gen=gen) for _ in range(2))
+    want = kp.snapkv(q, k, v, case.budget, window=case.window)
+    buf = torch.full((2, 2, case.budget, case.kv_heads, case.head_dim), float("nan"),
+                     dtype=torch.bfloat16, device=device)
+    out_k, out_v = buf[0].transpose(1, 2), buf[1].transpose(1, 2)  # [B, Hkv, budget, D] views
+    got = kp.snapkv(q, k, v, case.budget, window=case.window, out_k=out_k, out_v=out_v)
+    assert got.k is out_k and got.v is out_v
+    assert torch.equal(got.idx, want.idx)
+    assert torch.equal(out_k, want.k) and torch.equal(out_v, want.v)
+
+
+def test_cpu_workspace_is_cached_and_released(gen):
+    q = torch.randn(1, 4, 8, 64, generator=gen)
+    k = torch.randn(1, 2, 2000, 64, generator=gen)
+    kp.window_scores(q, k)
+    assert kp.cpu_workspace_bytes() > 0
+    kp.release_cpu_workspace()
+    assert kp.cpu_workspace_bytes() == 0
+    torch.testing.assert_close(kp.window_scores(q, k), ref.window_scores(q, k), rtol=1e-4, atol=1e-6)

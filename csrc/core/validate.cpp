@@ -10,6 +10,20 @@ bool valid_dtype(DType dtype) {
 // Positions are stored as int32 indices.
 constexpr int64_t kMaxLength = 2147483647;
 
+template <class Tokens>
+bool dense(const Tokens& t) {
+  return t.paged.blocks == nullptr;
+}
+
+// A paged layout covering `length` tokens per row (or a dense one).
+template <class Tokens>
+bool valid_layout(const Tokens& t, int64_t length) {
+  if (dense(t)) return true;
+  const BlockTable& pg = t.paged;
+  return pg.block_size >= 1 && pg.table_stride >= 1 && pg.block_stride >= 0 &&
+         pg.table_stride <= kMaxLength / pg.block_size && pg.table_stride * pg.block_size >= length;
+}
+
 bool valid_pool(int64_t kernel_size, PoolMode mode) {
   return kernel_size >= 1 && kernel_size % 2 == 1 &&
          (mode == PoolMode::kMax || mode == PoolMode::kAvg);
@@ -26,6 +40,7 @@ Status validate_sizes(const WindowScoresParams& p) {
     return Status::kInvalidArgument;
   if (p.qreduce != QueryReduce::kSum && p.qreduce != QueryReduce::kMax) return Status::kInvalidArgument;
   if (p.fold_length < 0 || p.fold_length > p.length) return Status::kInvalidArgument;
+  if (!dense(p.q) || !valid_layout(p.k, p.length)) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -76,6 +91,19 @@ Status validate(const GatherKvParams& p) {
     return Status::kInvalidArgument;
   if (p.batch * p.heads * p.length > 0 && (p.k.data == nullptr || p.v.data == nullptr))
     return Status::kInvalidArgument;
+  if (!dense(p.k) || !dense(p.v) || !dense(p.out_k) || !dense(p.out_v)) return Status::kInvalidArgument;
+  return Status::kOk;
+}
+
+Status validate(const CompactKvParams& p) {
+  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.length > kMaxLength || p.budget < 0 ||
+      p.head_dim < 1)
+    return Status::kInvalidArgument;
+  if (!valid_layout(p.k, p.length) || !valid_layout(p.v, p.length)) return Status::kInvalidArgument;
+  if (p.batch * p.heads * p.budget > 0 &&
+      (p.keep_idx == nullptr || p.k.data == nullptr || p.v.data == nullptr))
+    return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -91,7 +119,7 @@ Status validate_agreement(const SnapKvParams& p) {
                             ga.keep_idx == se.keep_idx && ga.k.data == sc.k.data &&
                             ga.k.batch_stride == sc.k.batch_stride &&
                             ga.k.head_stride == sc.k.head_stride &&
-                            ga.k.token_stride == sc.k.token_stride;
+                            ga.k.token_stride == sc.k.token_stride && dense(sc.k);
   return same_problem ? Status::kOk : Status::kInvalidArgument;
 }
 

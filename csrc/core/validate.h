@@ -16,6 +16,7 @@ Status validate(const PoolScoresParams& p);
 Status validate(const SelectKeepParams& p);
 Status validate(const StreamingKeepParams& p);
 Status validate(const GatherKvParams& p);
+Status validate(const CompactKvParams& p);
 // The parts of a SnapKvParams agree (see params.h); each part is checked on its own
 // by the stage entry points.
 Status validate_agreement(const SnapKvParams& p);

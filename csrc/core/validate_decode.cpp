@@ -10,6 +10,12 @@ bool valid_dtype(DType dtype) {
 // Slots and positions are int32.
 constexpr int64_t kMaxLength = 2147483647;
 
+// The decode ops read and write dense token tensors only.
+template <class... Tokens>
+bool dense(const Tokens&... t) {
+  return ((t.paged.blocks == nullptr) && ...);
+}
+
 }  // namespace
 
 Status validate(const RopeParams& rope, int64_t head_dim) {
@@ -33,6 +39,7 @@ Status validate(const StreamingAppendParams& p) {
     return Status::kInvalidArgument;
   if (p.batch * p.kv_heads * p.num_new > 0 && (p.k_new.data == nullptr || p.v_new.data == nullptr))
     return Status::kInvalidArgument;
+  if (!dense(p.k_cache, p.v_cache, p.k_new, p.v_new)) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -44,6 +51,7 @@ Status validate(const RerotateKeysParams& p) {
   if (p.batch * p.heads * p.length > 0 &&
       (p.k.data == nullptr || p.old_pos == nullptr || p.new_pos == nullptr))
     return Status::kInvalidArgument;
+  if (!dense(p.k)) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -65,6 +73,7 @@ Status validate(const DecodeScoresParams& p) {
   if (p.batch > 0 && (p.q.data == nullptr || p.seq_lens == nullptr)) return Status::kInvalidArgument;
   if (p.batch * p.capacity > 0 && (p.k_cache.data == nullptr || p.slot_pos == nullptr))
     return Status::kInvalidArgument;
+  if (!dense(p.q, p.k_cache, p.v_cache, p.out)) return Status::kInvalidArgument;
   return Status::kOk;
 }
 

@@ -82,7 +82,7 @@ struct HeadJob {
   const WindowScoresParams* p;
   const cpu::WindowScoresKernels* kernels;
   const Workspace* ws;
-  const char* k_head;  // k[b, g] as bytes
+  int64_t b, g;        // batch row, KV head
   int64_t len;         // valid keys of this row
   int64_t mp;
   float* out;          // scores[b, g, :], score_row_length(p) floats
@@ -90,7 +90,7 @@ struct HeadJob {
   int64_t chunks() const { return (len + kChunkKeys - 1) / kChunkKeys; }
 };
 
-cpu::HeadView head_view(const HeadJob& job) { return {job.p, job.kernels, job.k_head, job.len}; }
+cpu::HeadView head_view(const HeadJob& job) { return {job.p, job.kernels, job.b, job.g, job.len}; }
 
 // Writes (or folds) the scores of keys [first, first + count) below the score row's end:
 // the weighted column sums of tile [count][mp]. fold_scratch: [kChunkKeys].
@@ -225,9 +225,7 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
       cpu::finish_row_tail(p, len, out);
       if (len == 0) continue;
       cpu::pack_query_rows(p, b, g, 0, mp, ws.q_packed);
-      const char* k_head = static_cast<const char*>(p.k.data) +
-                           (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype);
-      const HeadJob job{&p, &kernels, &ws, k_head, len, mp, out, buffers};
+      const HeadJob job{&p, &kernels, &ws, b, g, len, mp, out, buffers};
       if (p.lse != nullptr) {
         cpu::load_lse(p, b, g, mp, ws.lse2);
         run_head_with_lse(job, exec);

@@ -171,10 +171,7 @@ void window_scores_qmax(const WindowScoresParams& p, const WindowScoresKernels& 
       if (len == 0) continue;
       for (int64_t k = 0; k < z.blocks; ++k)
         pack_query_rows(p, b, g, k * z.block, z.block_rows(k), ws.q_blocks + k * p.head_dim * z.block);
-      const HeadView head{&p, &kernels,
-                          static_cast<const char*>(p.k.data) +
-                              (b * p.k.batch_stride + g * p.k.head_stride) * dtype_size(p.dtype),
-                          len};
+      const HeadView head{&p, &kernels, b, g, len};
       if (p.lse != nullptr) {
         load_lse(p, b, g, z.mp, ws.lse2);
         for (int64_t r = 0; r < z.rows; ++r)  // rows that see no key add nothing

@@ -48,19 +48,27 @@ void chunk_logits(const HeadView& head, const float* q_block, int64_t row0, int6
   const WindowScoresParams& p = *head.p;
   const int64_t padded = (count + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const int64_t row_stride = p.k.token_stride * dtype_size(p.dtype);
-  const char* chunk_rows = head.k_head + first * row_stride;
-  // fp32 K is read in place unless the chunk needs zero padding; others are converted.
-  const float* k_chunk = reinterpret_cast<const float*>(chunk_rows);
+  // fp32 K is read in place unless the chunk needs zero padding or spans blocks of a
+  // paged cache; others are converted, one run of consecutive rows (a block) at a time.
+  const float* k_chunk = reinterpret_cast<const float*>(head.key(first));
   int64_t k_stride = p.k.token_stride;
-  if (p.dtype != DType::kFloat32 || padded != count) {
-    head.kernels->pack_keys(chunk_rows, p.k.token_stride, p.dtype, p.head_dim, count, padded, keys);
+  if (p.dtype != DType::kFloat32 || padded != count || contiguous_tokens(p.k, first) < count) {
+    for (int64_t j = 0; j < count;) {
+      const int64_t run = std::min(count - j, contiguous_tokens(p.k, first + j));
+      const int64_t fill = j + run == count ? padded - j : run;  // the last run zero-pads
+      head.kernels->pack_keys(head.key(first + j), p.k.token_stride, p.dtype, p.head_dim, run,
+                              fill, keys + j * p.head_dim);
+      j += run;
+    }
     k_chunk = keys;
     k_stride = p.head_dim;
   }
-  KeyPrefetch& next = background.next_keys;  // the chunk after this one
-  next.base = head.k_head + (first + count) * row_stride;
+  KeyPrefetch& next = background.next_keys;  // the chunk after this one (its first block)
+  const int64_t next_first = first + count;
+  next.rows = std::max<int64_t>(
+      0, std::min({kChunkKeys, head.len - next_first, contiguous_tokens(p.k, next_first)}));
+  next.base = next.rows > 0 ? head.key(next_first) : nullptr;
   next.stride_bytes = row_stride;
-  next.rows = std::max<int64_t>(0, std::min(kChunkKeys, head.len - first - count));
   next.row_bytes = p.head_dim * dtype_size(p.dtype);
   head.kernels->logits(q_block, block_rows, p.head_dim, k_chunk, k_stride, padded, tile, background);
   apply_causal_mask(head, row0, block_rows, first, count, tile);

@@ -18,8 +18,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct HeadView {
   const WindowScoresParams* p;
   const WindowScoresKernels* kernels;
-  const char* k_head;  // k[b, g] as bytes: [length][token_stride] elements of p->dtype
-  int64_t len;         // valid keys of this row
+  int64_t b;    // batch row
+  int64_t g;    // KV head: keys k[b, g, :len] (dense or paged, p->k)
+  int64_t len;  // valid keys of this row
+
+  // Key t of this row as bytes: head_dim elements of p->dtype.
+  const char* key(int64_t t) const {
+    return static_cast<const char*>(p->k.data) + token_offset(p->k, b, g, t) * dtype_size(p->dtype);
+  }
 };
 
 // q_block[d][r - row0] = q[b, g*G + r/W, r%W, d] * scale * log2(e) for packed rows

@@ -135,8 +135,9 @@ bool mma_dtype_and_dim(const WindowScoresParams& p) {
 
 // 16-byte fragments: base pointer and every stride that matters in 8-element multiples.
 bool mma_aligned(const ConstTokens& t, int64_t batch, int64_t heads, int64_t tokens) {
+  const bool blocks = t.paged.blocks == nullptr || t.paged.block_stride % 8 == 0;
   return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (batch == 1 || t.batch_stride % 8 == 0) &&
-         (heads == 1 || t.head_stride % 8 == 0) && (tokens == 1 || t.token_stride % 8 == 0);
+         (heads == 1 || t.head_stride % 8 == 0) && (tokens == 1 || t.token_stride % 8 == 0) && blocks;
 }
 
 // check_alignment = false plans as if the pointers and strides were aligned (the
@@ -198,6 +199,10 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
   a.k_batch_stride = p.k.batch_stride;
   a.k_head_stride = p.k.head_stride;
   a.k_token_stride = p.k.token_stride;
+  a.k_blocks = p.k.paged.blocks;
+  a.k_table_stride = p.k.paged.table_stride;
+  a.k_block_stride = p.k.paged.block_stride;
+  a.k_block_size = static_cast<int>(p.k.paged.block_size);
   a.lse = p.lse;
   a.seq_lens = p.seq_lens;
   a.length = static_cast<int>(p.length);

@@ -27,10 +27,14 @@ struct KernelArgs {
   int64_t q_batch_stride;
   int64_t q_head_stride;
   int64_t q_token_stride;
-  const void* k;  // [batch, kv_heads, length, head_dim], last dim contiguous
+  const void* k;  // [batch, kv_heads, length, head_dim], last dim contiguous (dense or paged)
   int64_t k_batch_stride;
   int64_t k_head_stride;
   int64_t k_token_stride;
+  const int32_t* k_blocks;  // paged K: [batch, k_table_stride] block table (params.h BlockTable), or null
+  int64_t k_table_stride;
+  int64_t k_block_stride;
+  int k_block_size;
   const float* lse;         // [batch, q_heads, window] natural-log LSE (probs passes)
   const int32_t* seq_lens;  // [batch] or null
   float2* stats;            // out: [num_chunks, batch*q_heads*window] (m, l) (Pass::kStats)
@@ -51,6 +55,15 @@ struct KernelArgs {
   int tiles_per_chunk;   // key tiles handled by one CTA
   int num_chunks;        // CTAs along the keys of one (batch, kv head)
 };
+
+// Key `key` of (batch row b, kv_head): head_dim elements, dense or through the block table.
+template <typename T>
+__device__ __forceinline__ const T* window_scores_key(const KernelArgs& a, int b, int kv_head, int key) {
+  const T* k = static_cast<const T*>(a.k) + kv_head * a.k_head_stride;
+  if (a.k_blocks == nullptr) return k + b * a.k_batch_stride + static_cast<int64_t>(key) * a.k_token_stride;
+  const int64_t block = __ldg(a.k_blocks + b * a.k_table_stride + key / a.k_block_size);
+  return k + block * a.k_block_stride + (key % a.k_block_size) * a.k_token_stride;
+}
 
 // Valid length of batch row b: seq_lens[b] clamped to [0, length], or length.
 // seq_lens: [batch] int32 or null.

@@ -168,7 +168,6 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const T* k_rows = static_cast<const T*>(a.k) + b * a.k_batch_stride + kv_head * a.k_head_stride;
 
   for (int tile_key0 = first_key; tile_key0 < end_key; tile_key0 += kTileKeys) {
     const int warp_key0 = tile_key0 + warp * kWarpKeys;
@@ -185,7 +184,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
       const int key = warp_key0 + nt * 8 + g;
-      const T* src = k_rows + key * a.k_token_stride + t * 8;
+      const T* src = key < n ? window_scores_key<T>(a, b, kv_head, key) + t * 8 : nullptr;
 #pragma unroll
       for (int c = 0; c < kDimChunks; ++c) {
         k_frag[c][nt] = key < n ? __ldg(reinterpret_cast<const uint4*>(src + c * 32))

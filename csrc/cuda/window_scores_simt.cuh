@@ -61,8 +61,6 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
     }
     return;
   }
-  const T* k_tile = static_cast<const T*>(a.k) + b * a.k_batch_stride +
-                    kv_head * a.k_head_stride + tile_key0 * a.k_token_stride;
   const int64_t rows_total = static_cast<int64_t>(a.batch) * a.q_heads * a.window;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -87,7 +85,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
           const int key = e / kDimChunk, d = d0 + e % kDimChunk;
           const bool ok = key < valid_keys && d < a.head_dim;
           k_chunk[e % kDimChunk][key] =
-              ok ? window_scores_to_float(k_tile[key * a.k_token_stride + d]) : 0.f;
+              ok ? window_scores_to_float(window_scores_key<T>(a, b, kv_head, tile_key0 + key)[d]) : 0.f;
         }
         __syncthreads();
 #pragma unroll 4

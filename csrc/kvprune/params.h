@@ -29,21 +29,52 @@ enum class QueryReduce : int { kSum = 0, kMax = 1 };
 // padding as zeros and always divides by kernel_size.
 enum class PoolMode : int { kMax = 0, kAvg = 1 };
 
-// Read-only strided token tensor [batch, heads, tokens, head_dim].
+// A paged (block-table) token layout, as serving engines keep their KV caches: the
+// tokens of batch row b are stored in fixed-size blocks of a shared pool, token t in
+// block block_table[b * table_stride + t / block_size] at offset t % block_size. Element
+// (b, h, t, d) of a paged token tensor is
+//   data[block * block_stride + (t % block_size) * token_stride + h * head_stride + d]
+// (batch_stride is unused). Block ids must lie in [0, number of blocks) for every token
+// an op reads or writes (the CPU bindings check this; CUDA kernels trust the table).
+struct BlockTable {
+  const int32_t* blocks = nullptr;  // [batch, table_stride] int32; null = dense layout
+  int64_t table_stride = 0;         // blocks per row of the table (max blocks per sequence)
+  int64_t block_size = 0;           // tokens per block, >= 1
+  int64_t block_stride = 0;         // elements between consecutive blocks of the pool
+};
+
+// Read-only strided token tensor [batch, heads, tokens, head_dim], dense or paged.
 struct ConstTokens {
   const void* data = nullptr;
   int64_t batch_stride = 0;
   int64_t head_stride = 0;
   int64_t token_stride = 0;
+  BlockTable paged;  // paged.blocks != null: the paged layout above
 };
 
-// Writable strided token tensor [batch, heads, tokens, head_dim].
+// Writable strided token tensor [batch, heads, tokens, head_dim], dense or paged.
 struct MutableTokens {
   void* data = nullptr;
   int64_t batch_stride = 0;
   int64_t head_stride = 0;
   int64_t token_stride = 0;
+  BlockTable paged;
 };
+
+// Element offset of (b, h, t, 0) in a dense or paged token tensor.
+template <class Tokens>
+inline int64_t token_offset(const Tokens& x, int64_t b, int64_t h, int64_t t) {
+  if (x.paged.blocks == nullptr) return b * x.batch_stride + h * x.head_stride + t * x.token_stride;
+  const int64_t block = x.paged.blocks[b * x.paged.table_stride + t / x.paged.block_size];
+  return block * x.paged.block_stride + (t % x.paged.block_size) * x.token_stride + h * x.head_stride;
+}
+
+// Tokens t, t+1, ... of row b that follow token t at token_stride (to its block's end).
+template <class Tokens>
+inline int64_t contiguous_tokens(const Tokens& x, int64_t t) {
+  if (x.paged.blocks == nullptr) return INT64_MAX;
+  return x.paged.block_size - t % x.paged.block_size;
+}
 
 // SnapKV observation-window voting (DESIGN §1, stage 2).
 //   a[h,i,j] = softmax_j(q[h,i].k[h/G,j] * scale) over j <= len-window+i
@@ -166,6 +197,31 @@ struct GatherKvParams {
   // their pages in bulk before writing (cheaper than one fault per page); leave
   // false for outputs that already hold data, where that would be wasted work.
   bool fresh_outputs = false;
+};
+
+// In-place compaction of a (usually paged) K/V cache, so that an engine can hand back
+// the blocks a sequence no longer needs. For every row (b, h):
+//   x[b, h, t] <- x[b, h, keep_idx[b, h, t]]   for t < kept(b, h), x = K and V,
+// where keep_idx[b, h, :] holds strictly ascending positions in [0, seq_lens[b])
+// followed by -1 padding (what select_keep and streaming_keep write), kept(b, h) its
+// count (seq_lens null: positions below length).
+// Since keep_idx[b, h, t] >= t, copying in ascending t never reads a token after it
+// was overwritten. Every head of a row must keep the same count (the CPU backend
+// checks it); new_seq_lens[b] = kept(b, 0). A sequence's kept tokens then fill its
+// first ceil(kept / block_size) blocks. Blocks of different rows must be distinct
+// (a block shared between sequences, e.g. a cached prefix, must not be compacted).
+struct CompactKvParams {
+  MutableTokens k;                    // [batch, heads, length, head_dim], dtype, dense or paged
+  MutableTokens v;                    // [batch, heads, length, head_dim], dtype, dense or paged
+  const int32_t* keep_idx = nullptr;  // [batch, heads, budget]
+  const int32_t* seq_lens = nullptr;  // [batch] tokens per row before compaction, or null
+  int32_t* new_seq_lens = nullptr;    // out: [batch] kept tokens per row, or null
+  DType dtype = DType::kFloat32;
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t length = 0;
+  int64_t budget = 0;
+  int64_t head_dim = 0;
 };
 
 // SnapKV end to end: window scores -> pooled selection -> gather, in one call.

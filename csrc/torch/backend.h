@@ -19,6 +19,7 @@ class Backend {
   virtual Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const = 0;
   virtual Status streaming_keep(const StreamingKeepParams& p) const = 0;
   virtual Status gather_kv(const GatherKvParams& p) const = 0;
+  virtual Status compact_kv(const CompactKvParams& p) const = 0;
   virtual size_t snapkv_workspace(const SnapKvParams& p) const = 0;
   virtual Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const = 0;
 };

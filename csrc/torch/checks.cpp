@@ -2,6 +2,7 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace kvprune::torch_ext {
@@ -75,6 +76,33 @@ void check_scores(const at::Tensor& scores, const char* name) {
   TORCH_CHECK_VALUE(scores.is_contiguous(), name, " must be contiguous");
 }
 
+namespace {
+
+at::Tensor& cached_cpu_workspace() {
+  thread_local at::Tensor cached;
+  return cached;
+}
+
+}  // namespace
+
+size_t cpu_workspace_bytes() {
+  const at::Tensor& cached = cached_cpu_workspace();
+  return cached.defined() ? static_cast<size_t>(cached.numel()) : 0;
+}
+
+void release_cpu_workspace() { cached_cpu_workspace() = at::Tensor(); }
+
+at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like) {
+  const auto size = static_cast<int64_t>(std::max<size_t>(bytes, 1));
+  if (!like.is_cpu()) return at::empty({size}, like.options().dtype(at::kByte));
+  at::Tensor& cached = cached_cpu_workspace();
+  if (!cached.defined() || cached.numel() < size) {
+    cached = at::Tensor();  // free the old buffer before allocating the larger one
+    cached = at::empty({size}, at::TensorOptions().dtype(at::kByte));
+  }
+  return cached;
+}
+
 const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t batch,
                              const at::Tensor& like) {
   if (!seq_lens.has_value()) return nullptr;
@@ -85,6 +113,18 @@ const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t 
   TORCH_CHECK_VALUE(lens.is_contiguous(), "seq_lens must be contiguous");
   check_same_device(lens, "seq_lens", like, "the cache tensors");
   return lens.data_ptr<int32_t>();
+}
+
+const float* lse_data(const std::optional<at::Tensor>& lse, const at::Tensor& q) {
+  if (!lse.has_value()) return nullptr;
+  const at::Tensor& l = *lse;
+  const int64_t batch = q.size(0), q_heads = q.size(1), window = q.size(2);
+  TORCH_CHECK_TYPE(l.scalar_type() == at::kFloat, "lse must be float32, got ", l.scalar_type());
+  TORCH_CHECK_VALUE(l.dim() == 3 && l.size(0) == batch && l.size(1) == q_heads && l.size(2) == window,
+                    "lse must have shape [", batch, ", ", q_heads, ", ", window, "], got ", l.sizes());
+  TORCH_CHECK_VALUE(l.is_contiguous(), "lse must be contiguous");
+  check_same_device(l, "lse", q, "q");
+  return l.data_ptr<float>();
 }
 
 GqaReduce parse_gqa(const std::string& gqa) {

@@ -37,6 +37,20 @@ void check_scores(const at::Tensor& scores, const char* name);
 const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t batch,
                              const at::Tensor& like);
 
+// Scratch memory for one call. CUDA: a block from PyTorch's caching allocator.
+// CPU: PyTorch's CPU allocator does not cache, and the first-touch page faults of
+// a fresh multi-MB buffer cost as much as the arithmetic, so each calling thread
+// keeps its largest CPU workspace for the next call.
+at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like);
+// The calling thread's cached CPU workspace: its size, and freeing it (the next CPU op
+// allocates again). A buffer an op is still using stays alive until the op returns.
+size_t cpu_workspace_bytes();
+void release_cpu_workspace();
+
+// lse: optional contiguous fp32 [batch, q_heads, window] of the queries q [B, Hq, W, D], on
+// q's device; returns its data pointer or null.
+const float* lse_data(const std::optional<at::Tensor>& lse, const at::Tensor& q);
+
 GqaReduce parse_gqa(const std::string& gqa);
 // The softmax scale: `scale` if given (must be finite), else 1/sqrt(head_dim).
 float softmax_scale(std::optional<double> scale, int64_t head_dim);

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kvprune/kvprune.h"
+#include "torch/checks.h"
 #include "torch/emulation.h"
 
 PYBIND11_MODULE(_C, m) {
@@ -29,6 +30,10 @@ PYBIND11_MODULE(_C, m) {
     kvprune::torch_ext::set_cuda_emulation(enabled, options);
   });
   m.def("_cuda_emulation_enabled", &kvprune::torch_ext::cuda_emulation_enabled);
+  m.def("cpu_workspace_bytes", &kvprune::torch_ext::cpu_workspace_bytes,
+        "Bytes of the calling thread's cached CPU workspace (kept between CPU calls).");
+  m.def("release_cpu_workspace", &kvprune::torch_ext::release_cpu_workspace,
+        "Frees the calling thread's cached CPU workspace; the next CPU op allocates again.");
   m.def("_emulated_launch_counts", [] {  // kernel name -> launches so far (coverage reports)
     pybind11::dict counts;
     kvprune::emu::for_each_launch_count(

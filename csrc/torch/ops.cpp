@@ -11,21 +11,6 @@
 namespace kvprune::torch_ext {
 namespace {
 
-// Scratch memory for one call. CUDA: a block from PyTorch's caching allocator.
-// CPU: PyTorch's CPU allocator does not cache, and the first-touch page faults of
-// a fresh multi-MB buffer cost as much as the arithmetic, so each calling thread
-// keeps its largest CPU workspace for the next call.
-at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like) {
-  const auto size = static_cast<int64_t>(std::max<size_t>(bytes, 1));
-  if (!like.is_cpu()) return at::empty({size}, like.options().dtype(at::kByte));
-  thread_local at::Tensor cached;
-  if (!cached.defined() || cached.numel() < size) {
-    cached = at::Tensor();  // free the old buffer before allocating the larger one
-    cached = at::empty({size}, at::TensorOptions().dtype(at::kByte));
-  }
-  return cached;
-}
-
 void check_cache_pair(const at::Tensor& k, const at::Tensor& v) {
   check_tokens(k, "k");
   check_tokens(v, "v");
@@ -80,15 +65,7 @@ WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k
   p.scale = softmax_scale(scale, head_dim);
   p.reduce = parse_gqa(gqa);
   p.seq_lens = seq_lens_data(seq_lens, batch, q);
-  if (lse.has_value()) {
-    const at::Tensor& l = *lse;
-    TORCH_CHECK_TYPE(l.scalar_type() == at::kFloat, "lse must be float32, got ", l.scalar_type());
-    TORCH_CHECK_VALUE(l.dim() == 3 && l.size(0) == batch && l.size(1) == q_heads && l.size(2) == window,
-                      "lse must have shape [", batch, ", ", q_heads, ", ", window, "], got ", l.sizes());
-    TORCH_CHECK_VALUE(l.is_contiguous(), "lse must be contiguous");
-    check_same_device(l, "lse", q, "q");
-    p.lse = l.data_ptr<float>();
-  }
+  p.lse = lse_data(lse, q);
   return p;
 }
 
@@ -287,12 +264,15 @@ TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v
   return {out_k, out_v};
 }
 
-TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
-                    int64_t kernel_size, const std::string& pool, const std::string& gqa,
-                    const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                    const std::optional<at::Tensor>& seq_lens) {
-  check_cache_pair(k, v);
+namespace {
+
+// The chain into out_k / out_v (fresh: just allocated here, else the caller's).
+at::Tensor snapkv_into(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
+                       at::Tensor& out_v, bool fresh) {
   check_kernel_size(kernel_size);
   SnapKvParams p;
   p.scores = window_scores_params(q, k, lse, scale, gqa, seq_lens);
@@ -303,15 +283,42 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
   p.select.pool_mode = parse_pool(pool, "pool");
   // The outputs of the chain; its scores and scratch live in the workspace.
   at::Tensor idx = at::empty({p.scores.batch, p.scores.kv_heads, budget}, q.options().dtype(at::kInt));
-  at::Tensor out_k = empty_like_kept(k, budget);
-  at::Tensor out_v = empty_like_kept(v, budget);
   p.select.keep_idx = idx.data_ptr<int32_t>();
-  p.gather = gather_params(k, v, idx, out_k, out_v);
-  p.gather.fresh_outputs = true;
+  p.gather = fresh ? gather_params(k, v, idx, out_k, out_v)
+                   : checked_gather_params(k, v, idx, out_k, out_v);
+  p.gather.fresh_outputs = fresh;
   const size_t ws_bytes = be.snapkv_workspace(p);
   at::Tensor ws = allocate_workspace(ws_bytes, q);
   check_status(be.snapkv(p, ws.data_ptr(), ws_bytes), "snapkv");
+  return idx;
+}
+
+}  // namespace
+
+TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                    int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                    const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                    const std::optional<at::Tensor>& seq_lens) {
+  check_cache_pair(k, v);
+  check_budget(budget, n_sink, window);
+  at::Tensor out_k = empty_like_kept(k, budget);
+  at::Tensor out_v = empty_like_kept(v, budget);
+  at::Tensor idx = snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
+                               scale, seq_lens, out_k, out_v, /*fresh=*/true);
   return {out_k, out_v, idx};
+}
+
+at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                      int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                      const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                      const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
+                      at::Tensor& out_v) {
+  check_cache_pair(k, v);
+  check_budget(budget, n_sink, window);
+  return snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
+                     seq_lens, out_k, out_v, /*fresh=*/false);
 }
 
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "torch/backend.h"
+#include "torch/paged_ops.h"
 
 namespace kvprune::torch_ext {
 
@@ -49,6 +50,13 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     int64_t kernel_size, const std::string& pool, const std::string& gqa,
                     const std::optional<at::Tensor>& lse, std::optional<double> scale,
                     const std::optional<at::Tensor>& seq_lens);
+// The same into the caller's out_k / out_v [B,Hkv,budget,D] (checked like gather_kv_out) -> idx
+at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                      int64_t kernel_size, const std::string& pool, const std::string& gqa,
+                      const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                      const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
+                      at::Tensor& out_v);
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
                        int64_t n_sink, const std::optional<at::Tensor>& seq_lens);
 
@@ -94,12 +102,39 @@ struct OpsFor {
     return snapkv(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
                   scale, seq_lens);
   }
+  static at::Tensor snapkv_out_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    int64_t budget, int64_t n_sink, int64_t window,
+                                    int64_t kernel_size, std::string pool, std::string gqa,
+                                    const std::optional<at::Tensor>& lse,
+                                    std::optional<double> scale,
+                                    const std::optional<at::Tensor>& seq_lens, at::Tensor out_k,
+                                    at::Tensor out_v) {
+    return snapkv_out(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa,
+                      lse, scale, seq_lens, out_k, out_v);
+  }
   static TensorTriple streaming_impl(const at::Tensor& k, const at::Tensor& v, int64_t budget,
                                      int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
     return streaming(Backends::get(), k, v, budget, n_sink, seq_lens);
   }
 
+  static at::Tensor paged_window_scores_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& block_table,
+                                             const at::Tensor& seq_lens,
+                                             const std::optional<at::Tensor>& lse,
+                                             std::optional<double> scale, std::string gqa,
+                                             std::string layout) {
+    return paged_window_scores(Backends::get(), q, k_cache, block_table, seq_lens, lse, scale, gqa,
+                               layout);
+  }
+  static at::Tensor paged_compact_impl(at::Tensor k_cache, at::Tensor v_cache,
+                                       const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                       const at::Tensor& idx, std::string layout) {
+    return paged_compact(Backends::get(), k_cache, v_cache, block_table, seq_lens, idx, layout);
+  }
+
   static void register_all(torch::Library& m) {
+    m.impl("paged_window_scores", &paged_window_scores_impl);
+    m.impl("paged_compact", &paged_compact_impl);
     m.impl("window_scores", &window_scores_impl);
     m.impl("window_scores_out", &window_scores_out_impl);
     m.impl("pool_scores", &pool_scores_impl);
@@ -107,6 +142,7 @@ struct OpsFor {
     m.impl("gather_kv", &gather_kv_impl);
     m.impl("gather_kv_out", &gather_kv_out_impl);
     m.impl("snapkv", &snapkv_impl);
+    m.impl("snapkv_out", &snapkv_out_impl);
     m.impl("streaming", &streaming_impl);
   }
 };

@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
     check_keep_indices(p);
     return gather_kv_cpu(p, exec_);
   }
+  Status compact_kv(const CompactKvParams& p) const override { return compact_kv_cpu(p, exec_); }
   size_t snapkv_workspace(const SnapKvParams& p) const override {
     return snapkv_workspace_bytes_cpu(p, exec_);
   }

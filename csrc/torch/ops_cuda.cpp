@@ -26,6 +26,7 @@ class CudaBackend final : public Backend {
     return streaming_keep_cuda(p, stream());
   }
   Status gather_kv(const GatherKvParams& p) const override { return gather_kv_cuda(p, stream()); }
+  Status compact_kv(const CompactKvParams& p) const override { return compact_kv_cuda(p, stream()); }
   size_t snapkv_workspace(const SnapKvParams& p) const override {
     return snapkv_workspace_bytes_cuda(p);
   }

@@ -40,6 +40,9 @@ class EmulatedCudaBackend final : public Backend {
   Status gather_kv(const GatherKvParams& p) const override {
     return reported(emu::gather_kv_cuda(p, nullptr), "gather_kv");
   }
+  Status compact_kv(const CompactKvParams& p) const override {
+    return reported(emu::compact_kv_cuda(p, nullptr), "paged.compact");
+  }
   size_t snapkv_workspace(const SnapKvParams& p) const override {
     return emu::snapkv_workspace_bytes_cuda(p);
   }

@@ -13,5 +13,12 @@ TORCH_LIBRARY(kvprune, m) {
   m.def("gather_kv_out(Tensor k, Tensor v, Tensor idx, Tensor(a!) out_k, Tensor(b!) out_v) -> ()");
   m.def("snapkv(Tensor q, Tensor k, Tensor v, int budget, int n_sink, int window, int kernel_size, "
         "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens) -> (Tensor, Tensor, Tensor)");
+  m.def("snapkv_out(Tensor q, Tensor k, Tensor v, int budget, int n_sink, int window, int kernel_size, "
+        "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens, Tensor(a!) out_k, "
+        "Tensor(b!) out_v) -> Tensor");
   m.def("streaming(Tensor k, Tensor v, int budget, int n_sink, Tensor? seq_lens) -> (Tensor, Tensor, Tensor)");
+  m.def("paged_window_scores(Tensor q, Tensor k_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor? lse, float? scale, str gqa, str layout) -> Tensor");
+  m.def("paged_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor idx, str layout) -> Tensor");
 }

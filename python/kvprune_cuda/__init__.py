@@ -8,12 +8,15 @@ plain PyTorch.
 
 from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
 from kvprune_cuda import _fake_decode  # noqa: F401  (fake impls of the decode ops)
+from kvprune_cuda import paged  # noqa: F401  (kp.paged.*: engine-native block-table caches)
 from kvprune_cuda import testing  # noqa: F401  (kp.testing.emulate_cuda)
 from kvprune_cuda._ops import (
     KeptKV,
     build_info,
+    cpu_workspace_bytes,
     gather_kv,
     pool_scores,
+    release_cpu_workspace,
     select_keep,
     snapkv,
     streaming,
@@ -44,6 +47,8 @@ def __getattr__(name):
 __all__ = [
     "KeptKV",
     "build_info",
+    "cpu_workspace_bytes",
+    "release_cpu_workspace",
     "gather_kv",
     "pool_scores",
     "select_keep",

@@ -47,7 +47,24 @@ def _snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
     return _kept(k, budget), _kept(v, budget), idx
 
 
+@torch.library.register_fake("kvprune::snapkv_out")
+def _snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
+                out_k, out_v):
+    return k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
+
+
 @torch.library.register_fake("kvprune::streaming")
 def _streaming(k, v, budget, n_sink, seq_lens):
     idx = k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
     return _kept(k, budget), _kept(v, budget), idx
+
+
+@torch.library.register_fake("kvprune::paged_window_scores")
+def _paged_window_scores(q, k_cache, block_table, seq_lens, lse, scale, gqa, layout):
+    heads, block_size = (k_cache.shape[2], k_cache.shape[1]) if layout == "NHD" else k_cache.shape[1:3]
+    return q.new_empty((q.shape[0], heads, block_table.shape[1] * block_size), dtype=torch.float32)
+
+
+@torch.library.register_fake("kvprune::paged_compact")
+def _paged_compact(k_cache, v_cache, block_table, seq_lens, idx, layout):
+    return torch.empty_like(seq_lens)

@@ -23,6 +23,19 @@ class KeptKV(NamedTuple):
     idx: torch.Tensor
 
 
+def release_cpu_workspace() -> None:
+    """Frees the scratch buffer CPU ops keep per calling thread between calls (page faults of a
+    fresh multi-MB buffer cost as much as the arithmetic, so it is cached); see
+    :func:`cpu_workspace_bytes`. The next CPU call allocates again. CUDA scratch comes from
+    PyTorch's caching allocator instead (``torch.cuda.empty_cache``)."""
+    _C.release_cpu_workspace()
+
+
+def cpu_workspace_bytes() -> int:
+    """Bytes of the calling thread's cached CPU workspace (0 after :func:`release_cpu_workspace`)."""
+    return int(_C.cpu_workspace_bytes())
+
+
 def build_info() -> dict:
     """Version, whether CUDA kernels are compiled in (``cuda``), their archs and the build's torch."""
     return dict(_C.build_info())
@@ -154,11 +167,15 @@ def snapkv(
     lse: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     seq_lens: Optional[torch.Tensor] = None,
+    out_k: Optional[torch.Tensor] = None,
+    out_v: Optional[torch.Tensor] = None,
 ) -> KeptKV:
     """Dual-stage compression in one call: sinks + SnapKV voting, pooling, top-k, gather.
 
     ``window`` is the protected recent window (and pooling boundary); the
-    observation queries are q's W positions. Returns KeptKV(k, v, idx).
+    observation queries are q's W positions. ``out_k``/``out_v`` (both or neither,
+    [B, Hkv, budget, D], any strides with a contiguous last dim, not overlapping the
+    inputs) receive the kept K/V instead of new tensors. Returns KeptKV(k, v, idx).
     """
     for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window),
                         ("kernel_size", kernel_size)):
@@ -166,6 +183,12 @@ def snapkv(
     check_str("pool", pool, ("max", "avg"))
     check_str("gqa", gqa, ("mean", "max", "sum"))
     check_scale(scale)
+    if (out_k is None) != (out_v is None):
+        raise ValueError("snapkv: pass both out_k and out_v, or neither")
+    if out_k is not None:
+        idx = _ops.snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
+                              seq_lens, out_k, out_v)
+        return KeptKV(out_k, out_v, idx)
     out_k, out_v, idx = _ops.snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
                                     scale, seq_lens)
     return KeptKV(out_k, out_v, idx)

@@ -197,6 +197,44 @@ def snapkv(
     return out_k, out_v, idx
 
 
+def paged_to_dense(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   layout: str = "NHD") -> torch.Tensor:
+    """The tokens of a paged block pool as a dense [B, Hkv, max_blocks * block_size, D]
+    tensor (zeros past each row's length): token t of row b is slot ``t % block_size`` of
+    block ``block_table[b, t // block_size]``. ``layout``: "NHD" = pool [num_blocks,
+    block_size, Hkv, D], "HND" = [num_blocks, Hkv, block_size, D]."""
+    pool = cache if layout == "NHD" else cache.transpose(1, 2)  # [num_blocks, bs, Hkv, D]
+    block_size, heads, head_dim = pool.shape[1:]
+    batch, max_blocks = block_table.shape
+    out = torch.zeros(batch, heads, max_blocks * block_size, head_dim, dtype=cache.dtype)
+    for b in range(batch):
+        for t in range(int(seq_lens[b])):
+            out[b, :, t] = pool[int(block_table[b, t // block_size]), t % block_size].cpu()
+    return out
+
+
+def paged_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, idx: torch.Tensor, layout: str = "NHD") -> torch.Tensor:
+    """Returns the new seq_lens int32 [B] and compacts (copies of) the pools in place:
+    token t of row b and head h becomes the token at position ``idx[b, h, t]`` for every
+    valid (>= 0) index, gathered from the cache before any write."""
+    batch = block_table.shape[0]
+    dense_k = paged_to_dense(k_cache, block_table, seq_lens, layout)
+    dense_v = paged_to_dense(v_cache, block_table, seq_lens, layout)
+    kk, vv = gather_kv(dense_k, dense_v, idx)
+    pools = [c if layout == "NHD" else c.transpose(1, 2) for c in (k_cache, v_cache)]
+    block_size = pools[0].shape[1]
+    new = torch.zeros(batch, dtype=torch.int32)
+    for b in range(batch):
+        kept = int((idx[b, 0] >= 0).sum())
+        new[b] = kept
+        for t in range(kept):
+            blk, off = int(block_table[b, t // block_size]), t % block_size
+            pools[0][blk, off] = kk[b, :, t]
+            pools[1][blk, off] = vv[b, :, t]
+    return new
+
+
 def streaming(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -94,6 +94,81 @@ void gather_case(const Gat& s) {
   c.run([&] { return kvprune::gather_kv_cpu(p, kSerial); }, [&] { return emu::gather_kv_cuda(p, nullptr); });
 }
 
+// ---- compact_kv (in place, dense or paged) ------------------------------------------------------
+struct Cmp {
+  Cmp(const char* name, DType dtype, int64_t B, int64_t H, int64_t N, int64_t budget, int64_t D)
+      : name(name), dtype(dtype), B(B), H(H), N(N), budget(budget), D(D) {}
+  Cmp& paged(int64_t tokens_per_block) { block_size = tokens_per_block; return *this; }
+  Cmp& streaming() { sinks_and_recent = true; return *this; }
+  Cmp& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
+  const char* name;
+  DType dtype;
+  int64_t B, H, N, budget, D;
+  int64_t block_size = 0;         // > 0: a pool of blocks [blocks, block_size, H, D] (else BHND)
+  bool sinks_and_recent = false;  // kept = 4 sinks + the last positions (sources far right)
+  std::vector<std::string> kernels;
+};
+
+void compact_case(const Cmp& s) {
+  Case c(s.name);
+  for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
+  const Elem e = elem_of(s.dtype);
+  // Row b holds N - 3b tokens and keeps min(budget, len) of them, the same count per head.
+  std::vector<int32_t> lens(s.B), idx(s.B * s.H * s.budget, -1);
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t len = std::max<int64_t>(s.N - 3 * b, 0), kept = std::min(s.budget, len);
+    lens[b] = static_cast<int32_t>(len);
+    for (int64_t h = 0; h < s.H; ++h) {
+      std::vector<int32_t> pos(len);
+      for (int64_t j = 0; j < len; ++j) pos[j] = static_cast<int32_t>(j);
+      if (!s.sinks_and_recent) {
+        std::shuffle(pos.begin() + std::min<int64_t>(4, len), pos.end(), rng());
+        std::sort(pos.begin(), pos.begin() + kept);
+      } else if (kept > 4) {
+        std::copy(pos.end() - (kept - 4), pos.end(), pos.begin() + 4);
+      }
+      std::copy(pos.begin(), pos.begin() + kept, idx.begin() + (b * s.H + h) * s.budget);
+    }
+  }
+  kvprune::CompactKvParams p;
+  const int64_t per_row = s.block_size > 0 ? (s.N + s.block_size - 1) / s.block_size : 0;
+  const int64_t blocks = s.B * per_row + 1;
+  const int64_t span = s.block_size > 0 ? blocks * s.block_size * s.H * s.D : s.B * s.H * s.N * s.D;
+  Buffer& k = c.add("k", Role::kInOut, e, span);
+  Buffer& v = c.add("v", Role::kInOut, e, span);
+  fill_normal(k);
+  fill_normal(v);
+  if (s.block_size > 0) {
+    std::vector<int32_t> order(blocks);
+    for (int64_t i = 0; i < blocks; ++i) order[i] = static_cast<int32_t>(i);
+    std::shuffle(order.begin(), order.end(), rng());
+    Buffer& table = c.add("block_table", Role::kIn, Elem::kI32, s.B * per_row);
+    set_ints(table, std::vector<int32_t>(order.begin(), order.begin() + s.B * per_row));
+    const kvprune::BlockTable pg{table.as<int32_t>(), per_row, s.block_size, s.block_size * s.H * s.D};
+    p.k = {k.data(), 0, s.D, s.H * s.D, pg};
+    p.v = {v.data(), 0, s.D, s.H * s.D, pg};
+  } else {
+    const Tokens t = bhnd(s.B, s.H, s.N, s.D);
+    p.k = mtok(k, t);
+    p.v = mtok(v, t);
+  }
+  Buffer& keep = c.add("keep_idx", Role::kIn, Elem::kI32, s.B * s.H * s.budget);
+  set_ints(keep, idx);
+  Buffer& seq = c.add("seq_lens", Role::kIn, Elem::kI32, s.B);
+  set_ints(seq, lens);
+  Buffer& out = c.add("new_seq_lens", Role::kOut, Elem::kI32, s.B);
+  p.keep_idx = keep.as<int32_t>();
+  p.seq_lens = seq.as<int32_t>();
+  p.new_seq_lens = out.as<int32_t>();
+  p.dtype = s.dtype;
+  p.batch = s.B;
+  p.heads = s.H;
+  p.length = s.block_size > 0 ? per_row * s.block_size : s.N;
+  p.budget = s.budget;
+  p.head_dim = s.D;
+  c.run([&] { return kvprune::compact_kv_cpu(p, kSerial); }, [&] { return emu::compact_kv_cuda(p, nullptr); });
+}
+
 }  // namespace
 
 void gather_cases() {
@@ -123,6 +198,15 @@ void gather_cases() {
                   .rope(80, RopeLayout::kNeox, true));
   gather_case(Gat("gather+rope gptj full fp16 D=20 8B vectors", f16, 1, 3, 60, 20, 20)
                   .rope(20, RopeLayout::kGptj).expect(v8));
+  // compact_kv: in place, every overlap of sources and destinations (CPU = sequential order).
+  compact_case(Cmp("compact paged bf16 D=64 bs=16 random kept", bf16, 3, 2, 150, 40, 64).paged(16)
+                   .expect("compact_kv_kernel<uint4>"));
+  compact_case(Cmp("compact paged fp16 D=128 bs=1 sinks+recent", f16, 2, 2, 90, 30, 128).paged(1)
+                   .streaming());
+  compact_case(Cmp("compact paged fp32 D=6 bs=32 8B vectors budget>len", f32, 2, 3, 40, 64, 6).paged(32)
+                   .expect("compact_kv_kernel<uint2>"));
+  compact_case(Cmp("compact dense fp16 D=5 2B vectors sinks+recent", f16, 2, 2, 70, 25, 5).streaming()
+                   .expect("compact_kv_kernel<short unsigned int>"));
 }
 
 }  // namespace emu_test

@@ -3,6 +3,7 @@
 // launch-heuristic edge each case reaches (csrc/cuda/*.cu).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "test_emu.h"
@@ -33,9 +34,11 @@ struct Ws {
   Ws& sm_counts(std::vector<int> s) { sms = std::move(s); return *this; }
   Ws& shuffle() { shuffled = true; return *this; }
   Ws& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
+  Ws& paged(int64_t tokens_per_block) { block_size = tokens_per_block; return *this; }
   const char* name;
   DType dtype;
   int64_t B, Hq, Hkv, N, W, D;
+  int64_t block_size = 0;  // > 0: K read from a pool of such blocks [blocks, block_size, Hkv, D]
   bool bnhd_view = false;
   int64_t pad = 0;       // extra elements after every q and k row
   size_t q_offset = 0;   // bytes the q pointer sits past a 64-byte boundary
@@ -107,6 +110,33 @@ kvprune::WindowScoresParams scores_params(Case& c, const Ws& s, Buffer& q, const
   return p;
 }
 
+// K of shape s moved into a pool of blocks [blocks, block_size, Hkv, D] (two spare blocks of
+// noise), rows' blocks in shuffled order; returns the paged view of the same keys.
+kvprune::ConstTokens paged_copy(Case& c, const Ws& s, const Buffer& k, const Tokens& kt) {
+  const int64_t per_row = (s.N + s.block_size - 1) / s.block_size, blocks = s.B * per_row + 2;
+  const int64_t block_stride = s.block_size * s.Hkv * s.D;
+  Buffer& pool = c.add("k_pool", Role::kIn, elem_of(s.dtype), blocks * block_stride);
+  fill_normal(pool, 100.f);  // a key read from a wrong block shows
+  std::vector<int32_t> order(blocks);
+  for (int64_t i = 0; i < blocks; ++i) order[i] = static_cast<int32_t>(i);
+  std::shuffle(order.begin(), order.end(), rng());
+  Buffer& table = c.add("block_table", Role::kIn, Elem::kI32, s.B * per_row);
+  set_ints(table, std::vector<int32_t>(order.begin(), order.begin() + s.B * per_row));
+  const size_t bytes = static_cast<size_t>(dtype_size(s.dtype) * s.D);
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.Hkv; ++h)
+      for (int64_t t = 0; t < s.N; ++t) {
+        const int64_t block = order[b * per_row + t / s.block_size];
+        std::memcpy(static_cast<char*>(pool.data()) +
+                        (block * block_stride + (t % s.block_size) * s.Hkv * s.D + h * s.D) * dtype_size(s.dtype),
+                    static_cast<const char*>(k.data()) + (b * kt.bs + h * kt.hs + t * kt.ts) * dtype_size(s.dtype),
+                    bytes);
+      }
+  kvprune::ConstTokens out{pool.data(), 0, s.D, s.Hkv * s.D};
+  out.paged = {table.as<int32_t>(), per_row, s.block_size, block_stride};
+  return out;
+}
+
 void window_scores_case(const Ws& s) {
   Case c(s.name);
   for (const auto& kernel : s.kernels) c.expect_kernel(kernel);
@@ -118,6 +148,7 @@ void window_scores_case(const Ws& s) {
   fill_normal(q);
   fill_normal(k);
   kvprune::WindowScoresParams p = scores_params(c, s, q, qt, k, kt);
+  if (s.block_size > 0) p.k = paged_copy(c, s, k, kt);
   const int64_t row = s.fold_length > 0 ? s.fold_length : s.N;
   Buffer& scores = c.add("scores", s.fold_length > 0 ? Role::kInOut : Role::kOut, Elem::kF32,
                          s.B * s.Hkv * row, within(score_tol(s.dtype), row));
@@ -159,6 +190,15 @@ void window_scores_cases() {
                          .bnhd().gqa(GqaReduce::kSum).ragged({0, 300, 555}).sm_counts({1, 2, 132}).shuffle()
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats>")
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs>"));
+  // Paged K (block tables, shuffled blocks, a wrong block's keys are 100x larger).
+  window_scores_case(Ws("window_scores paged bf16 D=64 mma bs=16 N=200 W=8 seq{200,77}", bf16, 2, 4, 2,
+                        200, 8, 64).paged(16).ragged({200, 77}));
+  window_scores_case(Ws("window_scores paged fp16 D=128 mma bs=32 N=96 W=16 lse max", f16, 1, 4, 2, 96,
+                        16, 128).paged(32).with_lse().gqa(GqaReduce::kMax));
+  window_scores_case(Ws("window_scores paged fp32 D=20 simt bs=1 N=50 W=5 seq{50,9}", f32, 2, 2, 1, 50, 5,
+                        20).paged(1).ragged({50, 9}));
+  window_scores_case(Ws("window_scores paged bf16 D=64 mma bs=16 qmax", bf16, 1, 4, 2, 120, 24, 64)
+                         .paged(16).qmax());
   window_scores_case(Ws("window_scores fp16 D=128 mma N=130<tile W=16 lse G=1", f16, 1, 4, 4, 130, 16, 128)
                          .with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs>"));
   window_scores_case(Ws("window_scores bf16 D=128 mma W=1 N=257", bf16, 1, 4, 2, 257, 1, 128)
