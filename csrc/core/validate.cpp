@@ -7,6 +7,9 @@ bool valid_dtype(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
 }
 
+// A type tokens may be stored in (fp8 included).
+bool valid_storage(DType dtype) { return valid_dtype(dtype) || is_fp8(dtype); }
+
 // Positions are stored as int32 indices.
 constexpr int64_t kMaxLength = 2147483647;
 
@@ -32,7 +35,9 @@ bool valid_pool(int64_t kernel_size, PoolMode mode) {
 }  // namespace
 
 Status validate_sizes(const WindowScoresParams& p) {
-  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (!valid_dtype(p.dtype) || !valid_storage(key_dtype(p))) return Status::kUnsupportedDtype;
+  if (p.k_scale != nullptr && p.k_scale_count != 1 && p.k_scale_count != p.kv_heads)
+    return Status::kInvalidArgument;
   if (p.batch < 0 || p.length < 0 || p.window < 1 || p.head_dim < 1) return Status::kInvalidArgument;
   if (p.kv_heads < 1 || p.q_heads < p.kv_heads || p.q_heads % p.kv_heads != 0)
     return Status::kInvalidArgument;
@@ -83,7 +88,7 @@ Status validate(const StreamingKeepParams& p) {
 }
 
 Status validate(const GatherKvParams& p) {
-  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (!valid_storage(p.dtype) || (is_fp8(p.dtype) && p.rope.rotary_dim > 0)) return Status::kUnsupportedDtype;
   if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.budget < 0 || p.head_dim < 1)
     return Status::kInvalidArgument;
   if (p.batch * p.heads * p.budget > 0 &&
@@ -96,7 +101,7 @@ Status validate(const GatherKvParams& p) {
 }
 
 Status validate(const CompactKvParams& p) {
-  if (!valid_dtype(p.dtype)) return Status::kUnsupportedDtype;
+  if (!valid_storage(p.dtype)) return Status::kUnsupportedDtype;
   if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.length > kMaxLength || p.budget < 0 ||
       p.head_dim < 1)
     return Status::kInvalidArgument;
@@ -115,7 +120,7 @@ Status validate_agreement(const SnapKvParams& p) {
                             se.length == sc.length && se.seq_lens == sc.seq_lens &&
                             ga.batch == sc.batch && ga.heads == sc.kv_heads &&
                             ga.length == sc.length && ga.head_dim == sc.head_dim &&
-                            ga.dtype == sc.dtype && ga.budget == se.budget &&
+                            ga.dtype == key_dtype(sc) && ga.budget == se.budget &&
                             ga.keep_idx == se.keep_idx && ga.k.data == sc.k.data &&
                             ga.k.batch_stride == sc.k.batch_stride &&
                             ga.k.head_stride == sc.k.head_stride &&

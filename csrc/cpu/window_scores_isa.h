@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/fp8_table.h"
 #include "cpu/half.h"
 #include "cpu/simd.h"
 #include "cpu/window_scores_kernels.h"
@@ -28,6 +29,12 @@ using V = simd::Vec<kLanes>;
 void convert_row(const void* src, DType dtype, int64_t count, float* dst) {
   if (dtype == DType::kFloat32) {
     std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  if (is_fp8(dtype)) {
+    const float* table = fp8_table(dtype);
+    const uint8_t* bytes = static_cast<const uint8_t*>(src);
+    for (int64_t i = 0; i < count; ++i) dst[i] = table[bytes[i]];
     return;
   }
   const uint16_t* bits = static_cast<const uint16_t*>(src);

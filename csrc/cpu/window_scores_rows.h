@@ -22,13 +22,13 @@ struct HeadView {
   int64_t g;    // KV head: keys k[b, g, :len] (dense or paged, p->k)
   int64_t len;  // valid keys of this row
 
-  // Key t of this row as bytes: head_dim elements of p->dtype.
+  // Key t of this row as bytes: head_dim elements of key_dtype(*p).
   const char* key(int64_t t) const {
-    return static_cast<const char*>(p->k.data) + token_offset(p->k, b, g, t) * dtype_size(p->dtype);
+    return static_cast<const char*>(p->k.data) + token_offset(p->k, b, g, t) * dtype_size(key_dtype(*p));
   }
 };
 
-// q_block[d][r - row0] = q[b, g*G + r/W, r%W, d] * scale * log2(e) for packed rows
+// q_block[d][r - row0] = q[b, g*G + r/W, r%W, d] * scale * k_scale[g] * log2(e) for packed rows
 // r in [row0, row0 + block_rows); padding rows are 0. q_block: [D][block_rows].
 void pack_query_rows(const WindowScoresParams& p, int64_t b, int64_t g, int64_t row0,
                      int64_t block_rows, float* q_block);

@@ -53,6 +53,10 @@ template <>
 struct VecOf<2> {
   using type = unsigned short;
 };
+template <>
+struct VecOf<1> {
+  using type = unsigned char;
+};
 
 }  // namespace cuda_detail
 KVPRUNE_CUDA_NAMESPACE_END

@@ -1,7 +1,7 @@
 // CUDA compact_kv: in place, x[b,h,t] <- x[b,h,keep_idx[b,h,t]] for K and V, dense or
 // paged (CompactKvParams).
 //
-// Each thread owns one vector (16, 8, 4 or 2 bytes: the widest that divides the row
+// Each thread owns one vector (16, 8, 4, 2 or 1 bytes: the widest that divides the row
 // size, the base addresses and every byte stride) of one (batch, head) row, in K and
 // V, and walks that row's kept tokens in ascending order. Every read and write of a
 // given vector of a row is made by the same thread, in program order, so the copies
@@ -25,7 +25,7 @@ using cuda_detail::ceil_div;
 constexpr int kBlock = 256;  // threads per CTA
 constexpr int kUnroll = 8;   // tokens per step (loads in flight per thread)
 constexpr int kMaxVecBytes = 16;
-constexpr int kMinVecBytes = 2;  // every dtype is a whole number of 2-byte units
+constexpr int kMinVecBytes = 1;  // fp8 rows may have an odd size
 
 // A dense or paged token tensor as bytes (params.h BlockTable; strides in bytes).
 struct RowBytes {
@@ -145,7 +145,8 @@ Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
     case 16: launch<16>(args, static_cast<unsigned>(blocks), stream); break;
     case 8: launch<8>(args, static_cast<unsigned>(blocks), stream); break;
     case 4: launch<4>(args, static_cast<unsigned>(blocks), stream); break;
-    default: launch<2>(args, static_cast<unsigned>(blocks), stream); break;
+    case 2: launch<2>(args, static_cast<unsigned>(blocks), stream); break;
+    default: launch<1>(args, static_cast<unsigned>(blocks), stream); break;
   }
   return cuda_detail::launch_status();
 }

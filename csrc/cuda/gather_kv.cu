@@ -1,7 +1,7 @@
 // CUDA gather_kv: out[b,h,t,:] = src[b,h,keep_idx[b,h,t],:] for K and V; an index
 // outside [0, length) writes a zero row.
 //
-// Rows are copied as raw bytes in vectors of 16, 8, 4 or 2 bytes: the widest
+// Rows are copied as raw bytes in vectors of 16, 8, 4, 2 or 1 bytes: the widest
 // width that divides the row size, every base address and every byte stride.
 // A group of `lanes` threads (a power of two <= 32) copies one output row, so a
 // warp moves whole rows with coalesced vector loads and stores.
@@ -25,7 +25,7 @@ using cuda_detail::ceil_div;
 constexpr int kBlock = 256;     // threads per CTA
 constexpr int kMaxLanes = 32;   // most threads per output row
 constexpr int kMaxVecBytes = 16;
-constexpr int kMinVecBytes = 2;  // every dtype is a whole number of 2-byte units
+constexpr int kMinVecBytes = 1;  // fp8 rows may have an odd size
 
 // Token tensor as bytes: byte strides, last dim contiguous. Byte is char or const char.
 template <typename Byte>
@@ -172,7 +172,8 @@ Status gather_kv_cuda(const GatherKvParams& p, cudaStream_t stream) {
     case 16: launch<16>(args, blocks, stream); break;
     case 8: launch<8>(args, blocks, stream); break;
     case 4: launch<4>(args, blocks, stream); break;
-    default: launch<2>(args, blocks, stream); break;
+    case 2: launch<2>(args, blocks, stream); break;
+    default: launch<1>(args, blocks, stream); break;
   }
   if (p.rope.rotary_dim > 0) {
     switch (p.dtype) {

@@ -199,6 +199,8 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
   a.k_batch_stride = p.k.batch_stride;
   a.k_head_stride = p.k.head_stride;
   a.k_token_stride = p.k.token_stride;
+  a.k_scale = p.k_scale;
+  a.k_scale_per_head = p.k_scale_count > 1 ? 1 : 0;
   a.k_blocks = p.k.paged.blocks;
   a.k_table_stride = p.k.paged.table_stride;
   a.k_block_stride = p.k.paged.block_stride;
@@ -223,10 +225,10 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
   return a;
 }
 
-template <typename T, int kHeadDim, Pass kPass>
+template <typename T, int kHeadDim, Pass kPass, typename KT>
 cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
                        int64_t max_smem, cudaStream_t stream) {
-  constexpr auto kernel = &window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass>;
+  constexpr auto kernel = &window_scores_impl::window_scores_mma_kernel<T, kHeadDim, kPass, KT>;
   // The attribute is process-wide state of this kernel. Setting it to each call's own
   // size would let a call with a smaller plan lower it under another host thread's
   // pending launch (or a captured graph replayed later): launch failure. So it only
@@ -246,13 +248,34 @@ cudaError_t launch_mma(const KernelArgs& a, const PassPlan& plan, int64_t rows_b
   return simt::get_last_error();
 }
 
-template <typename T, Pass kPass>
+template <typename T, Pass kPass, typename KT>
 cudaError_t launch_simt(const KernelArgs& a, const PassPlan& plan, int64_t rows_bh,
                         cudaStream_t stream) {
   const auto grid = static_cast<unsigned>(plan.num_chunks * rows_bh);
-  simt::launch<window_scores_impl::window_scores_simt_kernel<T, kPass>>(grid, SimtShape::kThreads, 0,
-                                                                        stream, a);
+  simt::launch<window_scores_impl::window_scores_simt_kernel<T, kPass, KT>>(
+      grid, SimtShape::kThreads, 0, stream, a);
   return simt::get_last_error();
+}
+
+template <typename T, int kHeadDim, Pass kPass>
+cudaError_t launch_mma_for_key(const WindowScoresParams& p, const KernelArgs& a,
+                               const PassPlan& plan, int64_t rows_bh, int64_t max_smem,
+                               cudaStream_t stream) {
+  switch (key_dtype(p)) {
+    case DType::kFloat8E4M3: return launch_mma<T, kHeadDim, kPass, Fp8E4M3>(a, plan, rows_bh, max_smem, stream);
+    case DType::kFloat8E5M2: return launch_mma<T, kHeadDim, kPass, Fp8E5M2>(a, plan, rows_bh, max_smem, stream);
+    default: return launch_mma<T, kHeadDim, kPass, T>(a, plan, rows_bh, max_smem, stream);
+  }
+}
+
+template <typename T, Pass kPass>
+cudaError_t launch_simt_for_key(const WindowScoresParams& p, const KernelArgs& a,
+                                const PassPlan& plan, int64_t rows_bh, cudaStream_t stream) {
+  switch (key_dtype(p)) {
+    case DType::kFloat8E4M3: return launch_simt<T, kPass, Fp8E4M3>(a, plan, rows_bh, stream);
+    case DType::kFloat8E5M2: return launch_simt<T, kPass, Fp8E5M2>(a, plan, rows_bh, stream);
+    default: return launch_simt<T, kPass, T>(a, plan, rows_bh, stream);
+  }
 }
 
 template <Pass kPass>
@@ -261,22 +284,22 @@ cudaError_t launch_pass(const WindowScoresParams& p, bool tensor_cores, const Ke
   const int64_t rows_bh = p.batch * p.kv_heads;
   if (!tensor_cores) {
     switch (p.dtype) {
-      case DType::kFloat16: return launch_simt<__half, kPass>(a, plan, rows_bh, stream);
-      case DType::kBFloat16: return launch_simt<__nv_bfloat16, kPass>(a, plan, rows_bh, stream);
-      default: return launch_simt<float, kPass>(a, plan, rows_bh, stream);
+      case DType::kFloat16: return launch_simt_for_key<__half, kPass>(p, a, plan, rows_bh, stream);
+      case DType::kBFloat16: return launch_simt_for_key<__nv_bfloat16, kPass>(p, a, plan, rows_bh, stream);
+      default: return launch_simt_for_key<float, kPass>(p, a, plan, rows_bh, stream);
     }
   }
   const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
     case 64:
-      return bf16 ? launch_mma<__nv_bfloat16, 64, kPass>(a, plan, rows_bh, max_smem, stream)
-                  : launch_mma<__half, 64, kPass>(a, plan, rows_bh, max_smem, stream);
+      return bf16 ? launch_mma_for_key<__nv_bfloat16, 64, kPass>(p, a, plan, rows_bh, max_smem, stream)
+                  : launch_mma_for_key<__half, 64, kPass>(p, a, plan, rows_bh, max_smem, stream);
     case 128:
-      return bf16 ? launch_mma<__nv_bfloat16, 128, kPass>(a, plan, rows_bh, max_smem, stream)
-                  : launch_mma<__half, 128, kPass>(a, plan, rows_bh, max_smem, stream);
+      return bf16 ? launch_mma_for_key<__nv_bfloat16, 128, kPass>(p, a, plan, rows_bh, max_smem, stream)
+                  : launch_mma_for_key<__half, 128, kPass>(p, a, plan, rows_bh, max_smem, stream);
     default:
-      return bf16 ? launch_mma<__nv_bfloat16, 256, kPass>(a, plan, rows_bh, max_smem, stream)
-                  : launch_mma<__half, 256, kPass>(a, plan, rows_bh, max_smem, stream);
+      return bf16 ? launch_mma_for_key<__nv_bfloat16, 256, kPass>(p, a, plan, rows_bh, max_smem, stream)
+                  : launch_mma_for_key<__half, 256, kPass>(p, a, plan, rows_bh, max_smem, stream);
   }
 }
 

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "kvprune/fp8.h"
+
 KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace window_scores_impl {
 
@@ -31,6 +33,8 @@ struct KernelArgs {
   int64_t k_batch_stride;
   int64_t k_head_stride;
   int64_t k_token_stride;
+  const float* k_scale;     // [1 or kv_heads] fp32 dequantisation scale of K, or null
+  int k_scale_per_head;     // 1: k_scale[kv_head], 0: k_scale[0]
   const int32_t* k_blocks;  // paged K: [batch, k_table_stride] block table (params.h BlockTable), or null
   int64_t k_table_stride;
   int64_t k_block_stride;
@@ -63,6 +67,12 @@ __device__ __forceinline__ const T* window_scores_key(const KernelArgs& a, int b
   if (a.k_blocks == nullptr) return k + b * a.k_batch_stride + static_cast<int64_t>(key) * a.k_token_stride;
   const int64_t block = __ldg(a.k_blocks + b * a.k_table_stride + key / a.k_block_size);
   return k + block * a.k_block_stride + (key % a.k_block_size) * a.k_token_stride;
+}
+
+// scale * log2(e) of kv_head's logits: the softmax scale times K's dequantisation scale.
+__device__ __forceinline__ float window_scores_scale_log2(const KernelArgs& a, int kv_head) {
+  if (a.k_scale == nullptr) return a.scale_log2;
+  return a.scale_log2 * __ldg(a.k_scale + (a.k_scale_per_head ? kv_head : 0));
 }
 
 // Valid length of batch row b: seq_lens[b] clamped to [0, length], or length.
@@ -102,6 +112,31 @@ __device__ __forceinline__ float window_scores_to_float(float x) { return x; }
 __device__ __forceinline__ float window_scores_to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float window_scores_to_float(__nv_bfloat16 x) {
   return __bfloat162float(x);
+}
+__device__ __forceinline__ float window_scores_to_float(Fp8E4M3 x) { return fp8_to_float(x); }
+__device__ __forceinline__ float window_scores_to_float(Fp8E5M2 x) { return fp8_to_float(x); }
+
+// 8 consecutive key elements (this lane's part of a 16-byte mma fragment) as 8 values of
+// the query type T packed in a uint4: one 16-byte load when K is T, else one 8-byte load
+// of fp8 bytes converted exactly. src: 16-byte (T) or 8-byte (fp8) aligned.
+template <typename T, typename KT>
+__device__ __forceinline__ uint4 window_scores_key_fragment(const KT* src) {
+  if constexpr (sizeof(KT) == sizeof(T)) {
+    return __ldg(reinterpret_cast<const uint4*>(src));
+  } else {
+    const uint2 bytes = __ldg(reinterpret_cast<const uint2*>(src));
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w = i < 2 ? bytes.x : bytes.y;
+      const int shift = (i & 1) * 16;
+      const T lo = T(fp8_to_float(KT{static_cast<uint8_t>(w >> shift)}));
+      const T hi = T(fp8_to_float(KT{static_cast<uint8_t>(w >> (shift + 8))}));
+      words[i] = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(lo)) |
+                 (static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(hi)) << 16);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  }
 }
 
 }  // namespace window_scores_impl

@@ -91,7 +91,8 @@ __device__ __forceinline__ float window_scores_own_column(const float (&partial)
   return own;
 }
 
-template <typename T, int kHeadDim, Pass kPass>
+// T: the query type (fp16/bf16); KT: K's storage, T or fp8 (converted exactly to T).
+template <typename T, int kHeadDim, Pass kPass, typename KT>
 __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     window_scores_mma_kernel(const KernelArgs a) {
   using Shape = MmaShape<kHeadDim>;
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   const int b = bh / a.kv_heads;
   const int kv_head = bh % a.kv_heads;
   const int n = window_scores_row_length(a.seq_lens, b, a.length);
+  const float scale_log2 = window_scores_scale_log2(a, kv_head);
   // Keys this pass covers: all N for the stats, the score row's out_length for the probs.
   const int key_limit = kProbs ? a.out_length : a.length;
   const int first_key = chunk * a.tiles_per_chunk * kTileKeys;  // this CTA's keys
@@ -184,10 +186,10 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
       const int key = warp_key0 + nt * 8 + g;
-      const T* src = key < n ? window_scores_key<T>(a, b, kv_head, key) + t * 8 : nullptr;
+      const KT* src = key < n ? window_scores_key<KT>(a, b, kv_head, key) + t * 8 : nullptr;
 #pragma unroll
       for (int c = 0; c < kDimChunks; ++c) {
-        k_frag[c][nt] = key < n ? __ldg(reinterpret_cast<const uint4*>(src + c * 32))
+        k_frag[c][nt] = key < n ? window_scores_key_fragment<T>(src + c * 32)
                                 : make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -219,8 +221,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = nt * 8 + e;
-            const float p0 = window_scores_exp2(fmaf(acc[nt][e], a.scale_log2, -lse0));
-            const float p1 = window_scores_exp2(fmaf(acc[nt][2 + e], a.scale_log2, -lse1));
+            const float p0 = window_scores_exp2(fmaf(acc[nt][e], scale_log2, -lse0));
+            const float p1 = window_scores_exp2(fmaf(acc[nt][2 + e], scale_log2, -lse1));
             const float v0 = col <= limit0 ? p0 : 0.f;
             const float v1 = col <= limit1 ? p1 : 0.f;
             head_sum[nt][e] = kQueryMax ? fmaxf(head_sum[nt][e], fmaxf(v0, v1)) : head_sum[nt][e] + (v0 + v1);
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               float& x = acc[nt][2 * half + e];
-              x = nt * 8 + e <= limit ? x * a.scale_log2 : -INFINITY;
+              x = nt * 8 + e <= limit ? x * scale_log2 : -INFINITY;
               m = fmaxf(m, x);
             }
           }

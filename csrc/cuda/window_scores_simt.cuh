@@ -26,7 +26,8 @@ struct SimtShape {
   static constexpr int kDimChunk = 32;
 };
 
-template <typename T, Pass kPass>
+// T: the query type; KT: K's storage (T, or fp8).
+template <typename T, Pass kPass, typename KT>
 __global__ void __launch_bounds__(SimtShape::kThreads)
     window_scores_simt_kernel(const KernelArgs a) {
   constexpr int kThreads = SimtShape::kThreads;
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
   const int b = bh / a.kv_heads;
   const int kv_head = bh % a.kv_heads;
   const int n = window_scores_row_length(a.seq_lens, b, a.length);
+  const float scale_log2 = window_scores_scale_log2(a, kv_head);
   const int tile_key0 = tile * kTileKeys;
   // Keys of the tile that exist (stats) or are scored (probs: below out_length).
   const int stored_keys = min((kProbs ? a.out_length : a.length) - tile_key0, kTileKeys);
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
           const int key = e / kDimChunk, d = d0 + e % kDimChunk;
           const bool ok = key < valid_keys && d < a.head_dim;
           k_chunk[e % kDimChunk][key] =
-              ok ? window_scores_to_float(window_scores_key<T>(a, b, kv_head, tile_key0 + key)[d]) : 0.f;
+              ok ? window_scores_to_float(window_scores_key<KT>(a, b, kv_head, tile_key0 + key)[d]) : 0.f;
         }
         __syncthreads();
 #pragma unroll 4
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
           const float lse2 = __ldg(a.lse + q_head * a.window + i) * kLog2e;
 #pragma unroll
           for (int c = 0; c < kKeys; ++c) {
-            const float p = window_scores_exp2(fmaf(acc[r][c], a.scale_log2, -lse2));
+            const float p = window_scores_exp2(fmaf(acc[r][c], scale_log2, -lse2));
             const float v = col(c) <= last ? p : 0.f;
             head_sum[c] = kQueryMax ? fmaxf(head_sum[c], v) : head_sum[c] + v;
           }
@@ -121,7 +123,7 @@ __global__ void __launch_bounds__(SimtShape::kThreads)
           float m = -INFINITY;
 #pragma unroll
           for (int c = 0; c < kKeys; ++c) {
-            x[c] = col(c) <= last ? acc[r][c] * a.scale_log2 : -INFINITY;
+            x[c] = col(c) <= last ? acc[r][c] * scale_log2 : -INFINITY;
             m = fmaxf(m, x[c]);
           }
 #pragma unroll

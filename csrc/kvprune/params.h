@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "kvprune/dtype.h"
 
@@ -88,9 +89,14 @@ inline int64_t contiguous_tokens(const Tokens& x, int64_t t) {
 // only keys j < M are scored (the normaliser still covers every visible key); each is
 // folded in place with the query reduction: scores = max(scores, new) (kMax) or
 // scores + new (kSum), positions len <= j < M included (new = 0 there).
+// fp8 K (k_dtype): the keys' values are float(k[b,g,j]) * k_scale[g] (k_scale_count ==
+// kv_heads) or * k_scale[0] (count 1); a k_scale applies to any K dtype, null means 1.
 struct WindowScoresParams {
   ConstTokens q;                      // [batch, q_heads, window, head_dim], dtype
-  ConstTokens k;                      // [batch, kv_heads, length, head_dim], dtype
+  ConstTokens k;                      // [batch, kv_heads, length, head_dim], k_dtype (default dtype)
+  std::optional<DType> k_dtype;       // K's element type when it is not dtype (fp8 caches)
+  const float* k_scale = nullptr;     // [k_scale_count] fp32 (device of the kernel), or null
+  int64_t k_scale_count = 0;          // 1 or kv_heads (with k_scale)
   const float* lse = nullptr;         // [batch, q_heads, window] contiguous fp32, or null
   const int32_t* seq_lens = nullptr;  // [batch] or null
   float* scores = nullptr;            // out: [batch, kv_heads, fold_length or length] contiguous fp32
@@ -106,6 +112,9 @@ struct WindowScoresParams {
   QueryReduce qreduce = QueryReduce::kSum;
   int64_t fold_length = 0;  // 0: write scores; M in [1, length]: fold keys [0, M) into scores
 };
+
+// K's element type.
+inline DType key_dtype(const WindowScoresParams& p) { return p.k_dtype.value_or(p.dtype); }
 
 // Keys per score row of p.scores: M when folding, else length.
 inline int64_t score_row_length(const WindowScoresParams& p) {
@@ -179,7 +188,8 @@ struct RopeParams {
 // index outside [0, length) (the -1 padding) writes a zero row.
 // With rope.rotary_dim > 0 the gathered K row is also re-rotated from position
 // keep_idx[b,h,t] to position t (its position inside the compacted cache); V is
-// never rotated. The default (rotary_dim 0) is a plain copy.
+// never rotated. The default (rotary_dim 0) is a plain copy, of any dtype (fp8 too:
+// the bytes move unchanged, so a cache's scales stay valid); RoPE needs fp32/fp16/bf16.
 struct GatherKvParams {
   ConstTokens k;                      // [batch, heads, length, head_dim], dtype
   ConstTokens v;                      // [batch, heads, length, head_dim], dtype

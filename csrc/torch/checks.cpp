@@ -18,13 +18,45 @@ DType core_dtype(const at::Tensor& t, const char* name) {
   return DType::kFloat32;
 }
 
-void check_tokens(const at::Tensor& t, const char* name) {
+DType storage_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kFloat:
+    case at::kHalf:
+    case at::kBFloat16: return core_dtype(t, name);
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, float16, bfloat16, float8_e4m3fn or "
+                       "float8_e5m2, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+void check_tokens(const at::Tensor& t, const char* name, bool fp8_ok) {
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must be 4-D [batch, heads, tokens, head_dim], got shape ",
                     t.sizes());
   TORCH_CHECK_VALUE(t.size(3) >= 1, name, " must have head_dim >= 1");
   TORCH_CHECK_VALUE(t.stride(3) == 1 || t.size(3) == 1, name,
                     " must have a contiguous last dimension (stride 1), got strides ", t.strides());
-  core_dtype(t, name);
+  fp8_ok ? storage_dtype(t, name) : core_dtype(t, name);
+}
+
+void set_key_type(WindowScoresParams& p, const at::Tensor& k, const char* name, const at::Tensor& q,
+                  const std::optional<at::Tensor>& k_scale) {
+  const DType storage = storage_dtype(k, name);
+  TORCH_CHECK_TYPE(is_fp8(storage) || k.scalar_type() == q.scalar_type(), name,
+                   " must have the dtype of q (", q.scalar_type(), ") or be an fp8 cache, got ",
+                   k.scalar_type());
+  if (is_fp8(storage)) p.k_dtype = storage;
+  if (!k_scale.has_value()) return;
+  const at::Tensor& s = *k_scale;
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "k_scale must be float32, got ", s.scalar_type());
+  TORCH_CHECK_VALUE(s.dim() <= 1 && (s.numel() == 1 || s.numel() == p.kv_heads) && s.is_contiguous(),
+                    "k_scale must be a contiguous fp32 tensor of shape [] or [", p.kv_heads,
+                    "] (per KV head), got shape ", s.sizes());
+  check_same_device(s, "k_scale", q, "q");
+  p.k_scale = s.data_ptr<float>();
+  p.k_scale_count = s.numel();
 }
 
 ConstTokens const_tokens(const at::Tensor& t) {

@@ -14,8 +14,18 @@ namespace kvprune::torch_ext {
 // fp32 / fp16 / bf16 -> core dtype; anything else raises TypeError naming `name`.
 DType core_dtype(const at::Tensor& t, const char* name);
 
-// A 4-D [batch, heads, tokens, head_dim] tensor whose last dim is contiguous.
-void check_tokens(const at::Tensor& t, const char* name);
+// Also the fp8 storage types (float8_e4m3fn, float8_e5m2) -> core dtype.
+DType storage_dtype(const at::Tensor& t, const char* name);
+
+// A 4-D [batch, heads, tokens, head_dim] tensor whose last dim is contiguous, of a core
+// dtype, or a storage dtype (fp8 too) with fp8_ok.
+void check_tokens(const at::Tensor& t, const char* name, bool fp8_ok = false);
+
+// K's element type for p (p.k_dtype when k, named `name`, is an fp8 cache; otherwise it
+// must have q's dtype) and its optional dequantisation scale k_scale: fp32 [] or [Hkv]
+// (p.kv_heads must be set).
+void set_key_type(WindowScoresParams& p, const at::Tensor& k, const char* name, const at::Tensor& q,
+                  const std::optional<at::Tensor>& k_scale);
 ConstTokens const_tokens(const at::Tensor& t);
 MutableTokens mutable_tokens(at::Tensor& t);
 

@@ -270,6 +270,8 @@ void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::
                         int64_t rotary_dim, const std::string& layout,
                         const std::optional<at::Tensor>& inv_freq) {
   GatherKvParams p = checked_gather_params(k, v, idx, out_k, out_v);
+  TORCH_CHECK_TYPE(!is_fp8(p.dtype), "k: RoPE re-rotation needs float32, float16 or bfloat16 keys, "
+                   "got ", k.scalar_type(), " (an fp8 cache is gathered without rope=)");
   p.rope = rope_params(theta, rotary_dim, layout, inv_freq, k.size(3), k);
   const c10::DeviceGuard guard(k.device());
   check_decode_status(be.gather_kv(p), "gather_kv", "rope parameters");

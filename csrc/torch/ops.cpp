@@ -12,8 +12,8 @@ namespace kvprune::torch_ext {
 namespace {
 
 void check_cache_pair(const at::Tensor& k, const at::Tensor& v) {
-  check_tokens(k, "k");
-  check_tokens(v, "v");
+  check_tokens(k, "k", /*fp8_ok=*/true);
+  check_tokens(v, "v", /*fp8_ok=*/true);
   check_same_device(v, "v", k, "k");
   TORCH_CHECK_TYPE(v.scalar_type() == k.scalar_type(), "v must have the dtype of k (",
                    k.scalar_type(), "), got ", v.scalar_type());
@@ -36,12 +36,11 @@ void check_kernel_size(int64_t kernel_size) {
 WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k,
                                         const std::optional<at::Tensor>& lse,
                                         std::optional<double> scale, const std::string& gqa,
-                                        const std::optional<at::Tensor>& seq_lens) {
+                                        const std::optional<at::Tensor>& seq_lens,
+                                        const std::optional<at::Tensor>& k_scale) {
   check_tokens(q, "q");
-  check_tokens(k, "k");
+  check_tokens(k, "k", /*fp8_ok=*/true);
   check_same_device(k, "k", q, "q");
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (",
-                   q.scalar_type(), "), got ", k.scalar_type());
   const int64_t batch = q.size(0), q_heads = q.size(1), window = q.size(2), head_dim = q.size(3);
   const int64_t kv_heads = k.size(1), length = k.size(2);
   TORCH_CHECK_VALUE(k.size(0) == batch, "k batch (", k.size(0), ") must equal q batch (", batch, ")");
@@ -66,6 +65,7 @@ WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k
   p.reduce = parse_gqa(gqa);
   p.seq_lens = seq_lens_data(seq_lens, batch, q);
   p.lse = lse_data(lse, q);
+  set_key_type(p, k, "k", q, k_scale);
   return p;
 }
 
@@ -92,7 +92,7 @@ GatherKvParams gather_params(const at::Tensor& k, const at::Tensor& v, const at:
   p.keep_idx = idx.data_ptr<int32_t>();
   p.out_k = mutable_tokens(out_k);
   p.out_v = mutable_tokens(out_v);
-  p.dtype = core_dtype(k, "k");
+  p.dtype = storage_dtype(k, "k");
   p.batch = k.size(0);
   p.heads = k.size(1);
   p.length = k.size(2);
@@ -154,8 +154,8 @@ void run_window_scores(const Backend& be, WindowScoresParams& p, const at::Tenso
 at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                          const std::optional<at::Tensor>& lse, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                         const std::string& qreduce) {
-  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale) {
+  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
   p.qreduce = parse_qreduce(qreduce);
   at::Tensor scores = at::empty({p.batch, p.kv_heads, p.length}, q.options().dtype(at::kFloat));
   run_window_scores(be, p, q, scores.data_ptr<float>());
@@ -165,8 +165,9 @@ at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tenso
 void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                        const std::optional<at::Tensor>& lse, std::optional<double> scale,
                        const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                       const std::string& qreduce, at::Tensor& out) {
-  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+                       const std::string& qreduce, at::Tensor& out,
+                       const std::optional<at::Tensor>& k_scale) {
+  WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
   p.qreduce = parse_qreduce(qreduce);
   check_fold_out(out, p, q, k, lse, seq_lens);
   p.fold_length = out.size(2);
@@ -216,7 +217,7 @@ GatherKvParams checked_gather_params(const at::Tensor& k, const at::Tensor& v,
   check_cache_pair(k, v);
   check_index(idx, k);
   for (const auto& [out, name] : {std::pair{&out_k, "out_k"}, std::pair{&out_v, "out_v"}}) {
-    check_tokens(*out, name);
+    check_tokens(*out, name, /*fp8_ok=*/true);
     check_same_device(*out, name, k, "k");
     TORCH_CHECK_TYPE(out->scalar_type() == k.scalar_type(), name, " must have the dtype of k (",
                      k.scalar_type(), "), got ", out->scalar_type());
@@ -271,11 +272,12 @@ at::Tensor snapkv_into(const Backend& be, const at::Tensor& q, const at::Tensor&
                        const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                        int64_t kernel_size, const std::string& pool, const std::string& gqa,
                        const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
+                       const std::optional<at::Tensor>& seq_lens,
+                       const std::optional<at::Tensor>& k_scale, at::Tensor& out_k,
                        at::Tensor& out_v, bool fresh) {
   check_kernel_size(kernel_size);
   SnapKvParams p;
-  p.scores = window_scores_params(q, k, lse, scale, gqa, seq_lens);
+  p.scores = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
   const c10::DeviceGuard guard(q.device());
   p.select = select_params(p.scores.batch, p.scores.kv_heads, p.scores.length, p.scores.seq_lens,
                            budget, n_sink, window);
@@ -299,13 +301,14 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                     int64_t kernel_size, const std::string& pool, const std::string& gqa,
                     const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                    const std::optional<at::Tensor>& seq_lens) {
+                    const std::optional<at::Tensor>& seq_lens,
+                    const std::optional<at::Tensor>& k_scale) {
   check_cache_pair(k, v);
   check_budget(budget, n_sink, window);
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);
   at::Tensor idx = snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                               scale, seq_lens, out_k, out_v, /*fresh=*/true);
+                               scale, seq_lens, k_scale, out_k, out_v, /*fresh=*/true);
   return {out_k, out_v, idx};
 }
 
@@ -314,11 +317,11 @@ at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& 
                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
-                      at::Tensor& out_v) {
+                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale) {
   check_cache_pair(k, v);
   check_budget(budget, n_sink, window);
   return snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
-                     seq_lens, out_k, out_v, /*fresh=*/false);
+                     seq_lens, k_scale, out_k, out_v, /*fresh=*/false);
 }
 
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,

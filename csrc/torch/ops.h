@@ -17,17 +17,19 @@ namespace kvprune::torch_ext {
 using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-// q [B,Hq,W,D], k [B,Hkv,N,D], lse [B,Hq,W] fp32 -> scores fp32 [B,Hkv,N]
+// q [B,Hq,W,D], k [B,Hkv,N,D] (q's dtype, or fp8 with k_scale fp32 [] / [Hkv]),
+// lse [B,Hq,W] fp32 -> scores fp32 [B,Hkv,N]
 at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                          const std::optional<at::Tensor>& lse, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                         const std::string& qreduce);
+                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale);
 // The same, folded into out fp32 [B,Hkv,M] (1 <= M <= N): keys [0, M) only,
 // max(out, new) for qreduce "max", out + new for "sum".
 void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                        const std::optional<at::Tensor>& lse, std::optional<double> scale,
                        const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                       const std::string& qreduce, at::Tensor& out);
+                       const std::string& qreduce, at::Tensor& out,
+                       const std::optional<at::Tensor>& k_scale);
 // scores fp32 [B,H,N] -> fp32 [B,H,N]
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
                        const std::string& mode, int64_t window,
@@ -49,14 +51,15 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                     int64_t kernel_size, const std::string& pool, const std::string& gqa,
                     const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                    const std::optional<at::Tensor>& seq_lens);
+                    const std::optional<at::Tensor>& seq_lens,
+                    const std::optional<at::Tensor>& k_scale);
 // The same into the caller's out_k / out_v [B,Hkv,budget,D] (checked like gather_kv_out) -> idx
 at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
-                      at::Tensor& out_v);
+                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale);
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
                        int64_t n_sink, const std::optional<at::Tensor>& seq_lens);
 
@@ -68,15 +71,17 @@ struct OpsFor {
                                        const std::optional<at::Tensor>& lse,
                                        std::optional<double> scale, std::string gqa,
                                        const std::optional<at::Tensor>& seq_lens,
-                                       std::string qreduce) {
-    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce);
+                                       std::string qreduce,
+                                       const std::optional<at::Tensor>& k_scale) {
+    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, k_scale);
   }
   static void window_scores_out_impl(const at::Tensor& q, const at::Tensor& k,
                                      const std::optional<at::Tensor>& lse,
                                      std::optional<double> scale, std::string gqa,
                                      const std::optional<at::Tensor>& seq_lens,
-                                     std::string qreduce, at::Tensor out) {
-    window_scores_out(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, out);
+                                     std::string qreduce, at::Tensor out,
+                                     const std::optional<at::Tensor>& k_scale) {
+    window_scores_out(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale);
   }
   static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
                                      std::string mode, int64_t window,
@@ -98,9 +103,10 @@ struct OpsFor {
                                   int64_t budget, int64_t n_sink, int64_t window,
                                   int64_t kernel_size, std::string pool, std::string gqa,
                                   const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                                  const std::optional<at::Tensor>& seq_lens) {
+                                  const std::optional<at::Tensor>& seq_lens,
+                                  const std::optional<at::Tensor>& k_scale) {
     return snapkv(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                  scale, seq_lens);
+                  scale, seq_lens, k_scale);
   }
   static at::Tensor snapkv_out_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     int64_t budget, int64_t n_sink, int64_t window,
@@ -108,9 +114,9 @@ struct OpsFor {
                                     const std::optional<at::Tensor>& lse,
                                     std::optional<double> scale,
                                     const std::optional<at::Tensor>& seq_lens, at::Tensor out_k,
-                                    at::Tensor out_v) {
+                                    at::Tensor out_v, const std::optional<at::Tensor>& k_scale) {
     return snapkv_out(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa,
-                      lse, scale, seq_lens, out_k, out_v);
+                      lse, scale, seq_lens, out_k, out_v, k_scale);
   }
   static TensorTriple streaming_impl(const at::Tensor& k, const at::Tensor& v, int64_t budget,
                                      int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
@@ -122,9 +128,10 @@ struct OpsFor {
                                              const at::Tensor& seq_lens,
                                              const std::optional<at::Tensor>& lse,
                                              std::optional<double> scale, std::string gqa,
-                                             std::string layout) {
+                                             std::string layout,
+                                             const std::optional<at::Tensor>& k_scale) {
     return paged_window_scores(Backends::get(), q, k_cache, block_table, seq_lens, lse, scale, gqa,
-                               layout);
+                               layout, k_scale);
   }
   static at::Tensor paged_compact_impl(at::Tensor k_cache, at::Tensor v_cache,
                                        const at::Tensor& block_table, const at::Tensor& seq_lens,

@@ -73,12 +73,11 @@ void check_table(const at::Tensor& block_table, const at::Tensor& seq_lens, cons
 at::Tensor paged_window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& block_table, const at::Tensor& seq_lens,
                                const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                               const std::string& gqa, const std::string& layout) {
+                               const std::string& gqa, const std::string& layout,
+                               const std::optional<at::Tensor>& k_scale) {
   check_tokens(q, "q");
   const PagedShape s = paged_shape(k_cache, "k_cache", layout);
   check_same_device(k_cache, "k_cache", q, "q");
-  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(), "k_cache must have the dtype of q (",
-                   q.scalar_type(), "), got ", k_cache.scalar_type());
   check_table(block_table, seq_lens, s, k_cache);
   const int64_t batch = q.size(0), q_heads = q.size(1), window = q.size(2);
   TORCH_CHECK_VALUE(block_table.size(0) == batch, "block_table batch (", block_table.size(0),
@@ -102,6 +101,7 @@ at::Tensor paged_window_scores(const Backend& be, const at::Tensor& q, const at:
   p.reduce = parse_gqa(gqa);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.lse = lse_data(lse, q);
+  set_key_type(p, k_cache, "k_cache", q, k_scale);
   const c10::DeviceGuard guard(q.device());
   at::Tensor scores = at::empty({batch, s.heads, p.length}, q.options().dtype(at::kFloat));
   p.scores = scores.data_ptr<float>();
@@ -137,7 +137,7 @@ at::Tensor paged_compact(const Backend& be, at::Tensor& k_cache, at::Tensor& v_c
   p.v = paged_tokens<MutableTokens>(v_cache, block_table, layout);
   p.keep_idx = idx.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.dtype = core_dtype(k_cache, "k_cache");
+  p.dtype = storage_dtype(k_cache, "k_cache");
   p.batch = batch;
   p.heads = s.heads;
   p.length = block_table.size(1) * s.block_size;

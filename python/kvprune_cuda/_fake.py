@@ -12,12 +12,12 @@ def _kept(k: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("kvprune::window_scores")
-def _window_scores(q, k, lse, scale, gqa, seq_lens, qreduce="sum"):
+def _window_scores(q, k, lse, scale, gqa, seq_lens, qreduce="sum", k_scale=None):
     return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
 
 
 @torch.library.register_fake("kvprune::window_scores_out")
-def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out):
+def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale=None):
     return None
 
 
@@ -42,14 +42,15 @@ def _gather_kv_out(k, v, idx, out_k, out_v):
 
 
 @torch.library.register_fake("kvprune::snapkv")
-def _snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens):
+def _snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
+            k_scale=None):
     idx = k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
     return _kept(k, budget), _kept(v, budget), idx
 
 
 @torch.library.register_fake("kvprune::snapkv_out")
 def _snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
-                out_k, out_v):
+                out_k, out_v, k_scale=None):
     return k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
 
 
@@ -60,7 +61,7 @@ def _streaming(k, v, budget, n_sink, seq_lens):
 
 
 @torch.library.register_fake("kvprune::paged_window_scores")
-def _paged_window_scores(q, k_cache, block_table, seq_lens, lse, scale, gqa, layout):
+def _paged_window_scores(q, k_cache, block_table, seq_lens, lse, scale, gqa, layout, k_scale=None):
     heads, block_size = (k_cache.shape[2], k_cache.shape[1]) if layout == "NHD" else k_cache.shape[1:3]
     return q.new_empty((q.shape[0], heads, block_table.shape[1] * block_size), dtype=torch.float32)
 

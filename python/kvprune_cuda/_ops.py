@@ -51,12 +51,15 @@ def window_scores(
     seq_lens: Optional[torch.Tensor] = None,
     qreduce: str = "sum",
     out: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention mass each cached key receives from the last W queries (SnapKV voting).
 
     Args:
         q: [B, Hq, W] + [D] post-RoPE queries of each row's last W positions.
         k: [B, Hkv, N, D] keys (or a [B, N, Hkv, D] tensor viewed with strides); Hq % Hkv == 0.
+            q's dtype, or an fp8 cache (torch.float8_e4m3fn / float8_e5m2) whose values are
+            ``float(k) * k_scale``: dequantised exactly in registers, q stays fp32/fp16/bf16.
         lse: optional fp32 [B, Hq, W] log-sum-exp of each query over its visible keys
             (as returned by flash attention); skips the normalisation pass.
         scale: softmax scale, default 1/sqrt(D).
@@ -71,6 +74,8 @@ def window_scores(
             ``out + new`` for "sum", where ``new`` is what the call returns without
             ``out`` (0 at positions >= n, so there "sum" leaves out unchanged and "max"
             gives max(out, 0)). Chunks of queries fold one after another into one out.
+        k_scale: optional fp32 tensor of shape [] or [Hkv] (per KV head): K's dequantisation
+            scale, as vLLM and TensorRT-LLM store fp8 caches (any K dtype; default 1).
 
     Returns:
         fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.
@@ -79,8 +84,8 @@ def window_scores(
     check_str("gqa", gqa, ("mean", "max", "sum"))
     check_str("qreduce", qreduce, ("sum", "max"))
     if out is None:
-        return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce)
-    _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out)
+        return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce, k_scale)
+    _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale)
     return out
 
 
@@ -169,13 +174,16 @@ def snapkv(
     seq_lens: Optional[torch.Tensor] = None,
     out_k: Optional[torch.Tensor] = None,
     out_v: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> KeptKV:
     """Dual-stage compression in one call: sinks + SnapKV voting, pooling, top-k, gather.
 
     ``window`` is the protected recent window (and pooling boundary); the
     observation queries are q's W positions. ``out_k``/``out_v`` (both or neither,
     [B, Hkv, budget, D], any strides with a contiguous last dim, not overlapping the
-    inputs) receive the kept K/V instead of new tensors. Returns KeptKV(k, v, idx).
+    inputs) receive the kept K/V instead of new tensors. fp8 K/V caches: scores
+    dequantise K with ``k_scale`` (as :func:`window_scores`), the kept K/V are the cache's
+    bytes, unchanged (the cache's scales stay valid). Returns KeptKV(k, v, idx).
     """
     for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window),
                         ("kernel_size", kernel_size)):
@@ -187,10 +195,10 @@ def snapkv(
         raise ValueError("snapkv: pass both out_k and out_v, or neither")
     if out_k is not None:
         idx = _ops.snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
-                              seq_lens, out_k, out_v)
+                              seq_lens, out_k, out_v, k_scale)
         return KeptKV(out_k, out_v, idx)
     out_k, out_v, idx = _ops.snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                                    scale, seq_lens)
+                                    scale, seq_lens, k_scale)
     return KeptKV(out_k, out_v, idx)
 
 

@@ -3,20 +3,17 @@
 A layer's K (and V) cache is a pool of fixed-size blocks shared by all sequences; each
 sequence lists its blocks in a row of ``block_table``:
 
-=============== =========================================== ====================================
-tensor          shape / dtype                               meaning
-=============== =========================================== ====================================
-k_cache,        ``[num_blocks, block_size, Hkv, D]``        the block pool (``layout="NHD"``,
-v_cache         (``"NHD"``) or ``[num_blocks, Hkv,          vLLM's GPU layout) or per head
-                block_size, D]`` (``"HND"``), fp16/bf16/fp32 (``"HND"``); any strides, last dim
-                                                            contiguous (e.g. the K half of vLLM's
-                                                            CPU cache ``[nb, Hkv, 2*bs, D]``)
-block_table     int32 ``[B, max_blocks]``                   token t of row b is slot
-                                                            ``t % block_size`` of block
-                                                            ``block_table[b, t // block_size]``
-seq_lens        int32 ``[B]``                               tokens per row (<= max_blocks *
-                                                            block_size)
-=============== =========================================== ====================================
+=============== ================================== =========================================
+tensor          shape / dtype                      meaning
+=============== ================================== =========================================
+k_cache,        ``[num_blocks, block_size, Hkv,    the block pool: ``layout="NHD"`` (vLLM's
+v_cache         D]`` or ``[num_blocks, Hkv,        GPU layout) or ``"HND"``; any strides,
+                block_size, D]``; fp32/fp16/bf16,  last dim contiguous (e.g. the K half of
+                or fp8 (scores take ``k_scale``)   vLLM's CPU cache ``[nb, Hkv, 2*bs, D]``)
+block_table     int32 ``[B, max_blocks]``          token t of row b is slot ``t % block_size``
+                                                   of block ``block_table[b, t // block_size]``
+seq_lens        int32 ``[B]``                      tokens per row (<= max_blocks * block_size)
+=============== ================================== =========================================
 
 After :func:`snapkv` (or :func:`compact` with any kept indices) row b's kept tokens fill
 its first ``ceil(new_seq_lens[b] / block_size)`` blocks; the engine returns the rest of
@@ -51,14 +48,15 @@ class Compacted(NamedTuple):
 def window_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, lse: Optional[torch.Tensor] = None,
                   scale: Optional[float] = None, gqa: str = "mean", layout: str = "NHD",
-                  ) -> torch.Tensor:
+                  k_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`kvprune_cuda.window_scores` read through the block table.
 
     Args:
         q: [B, Hq, W, D] post-RoPE queries of each row's last W positions
             (``seq_lens[b] - W + i``), dtype of the cache.
         k_cache, block_table, seq_lens, layout: the paged K cache (module doc).
-        lse, scale, gqa: as in :func:`kvprune_cuda.window_scores`.
+        lse, scale, gqa, k_scale: as in :func:`kvprune_cuda.window_scores` (fp8 caches:
+            ``k_scale`` fp32 [] or [Hkv]).
 
     Returns:
         fp32 [B, Hkv, max_blocks * block_size]: row b's scores at its positions,
@@ -67,7 +65,8 @@ def window_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Ten
     check_scale(scale)
     check_str("gqa", gqa, ("mean", "max", "sum"))
     check_str("layout", layout, LAYOUTS)
-    return _ops.paged_window_scores(q, k_cache, block_table, seq_lens, lse, scale, gqa, layout)
+    return _ops.paged_window_scores(q, k_cache, block_table, seq_lens, lse, scale, gqa, layout,
+                                    k_scale)
 
 
 def compact(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -92,7 +91,7 @@ def snapkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, budget: int, *, n_sink: int = 4,
            window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
            lse: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-           layout: str = "NHD") -> Compacted:
+           layout: str = "NHD", k_scale: Optional[torch.Tensor] = None) -> Compacted:
     """SnapKV on a paged cache, compacted in place: :func:`window_scores`, pooling and
     :func:`kvprune_cuda.select_keep` (as :func:`kvprune_cuda.snapkv`), then :func:`compact`.
 
@@ -101,7 +100,7 @@ def snapkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     check_int("budget", budget)
     scores = window_scores(q, k_cache, block_table, seq_lens, lse=lse, scale=scale, gqa=gqa,
-                           layout=layout)
+                           layout=layout, k_scale=k_scale)
     pooled = dense_ops.pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens)
     idx = dense_ops.select_keep(pooled, budget, n_sink=n_sink, window=window, seq_lens=seq_lens)
     return Compacted(idx, compact(k_cache, v_cache, block_table, seq_lens, idx, layout=layout))

@@ -188,8 +188,8 @@ void window_scores_cases() {
   window_scores_case(Ws("window_scores bf16 D=64 mma N=600 W=17 seq{0,300,555} sum BNHD", bf16, 3, 8, 2, 600,
                         17, 64)
                          .bnhd().gqa(GqaReduce::kSum).ragged({0, 300, 555}).sm_counts({1, 2, 132}).shuffle()
-                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats>")
-                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs>"));
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats")
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs"));
   // Paged K (block tables, shuffled blocks, a wrong block's keys are 100x larger).
   window_scores_case(Ws("window_scores paged bf16 D=64 mma bs=16 N=200 W=8 seq{200,77}", bf16, 2, 4, 2,
                         200, 8, 64).paged(16).ragged({200, 77}));
@@ -200,11 +200,11 @@ void window_scores_cases() {
   window_scores_case(Ws("window_scores paged bf16 D=64 mma bs=16 qmax", bf16, 1, 4, 2, 120, 24, 64)
                          .paged(16).qmax());
   window_scores_case(Ws("window_scores fp16 D=128 mma N=130<tile W=16 lse G=1", f16, 1, 4, 4, 130, 16, 128)
-                         .with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs>"));
+                         .with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs"));
   window_scores_case(Ws("window_scores bf16 D=128 mma W=1 N=257", bf16, 1, 4, 2, 257, 1, 128)
-                         .expect("mma_kernel<__nv_bfloat16, 128, window_scores_impl::Pass::kStats>"));
+                         .expect("mma_kernel<__nv_bfloat16, 128, window_scores_impl::Pass::kStats"));
   window_scores_case(Ws("window_scores fp16 D=64 mma N=W=10 max", f16, 1, 2, 1, 10, 10, 64)
-                         .gqa(GqaReduce::kMax).expect("mma_kernel<__half, 64, window_scores_impl::Pass::kStats>"));
+                         .gqa(GqaReduce::kMax).expect("mma_kernel<__half, 64, window_scores_impl::Pass::kStats"));
   // More window queries than keys: the first queries have negative positions.
   window_scores_case(Ws("window_scores bf16 D=128 mma W=20 > N=12", bf16, 1, 2, 1, 12, 20, 128)
                          .expect("mma_kernel<__nv_bfloat16, 128"));
@@ -214,27 +214,27 @@ void window_scores_cases() {
   // of shared memory, 6 of 227 KB: G=7 -> 2 splits of 4 + 3 heads, G=8 -> 4 + 4.
   window_scores_case(Ws("window_scores fp16 D=256 mma split 4+3 heads G=7 Hkv=2 W=64", f16, 1, 14, 2, 200, 64,
                         256)
-                         .shuffle().expect("mma_kernel<__half, 256, window_scores_impl::Pass::kStats>")
+                         .shuffle().expect("mma_kernel<__half, 256, window_scores_impl::Pass::kStats")
                          .expect(split));
   window_scores_case(Ws("window_scores bf16 D=256 mma split G=8 lse max seq{200,37}", bf16, 2, 8, 1, 200,
                         64, 256)
                          .with_lse().gqa(GqaReduce::kMax).ragged({200, 37})
-                         .expect("mma_kernel<__nv_bfloat16, 256, window_scores_impl::Pass::kProbs>")
+                         .expect("mma_kernel<__nv_bfloat16, 256, window_scores_impl::Pass::kProbs")
                          .expect(split));
   // qreduce = max (kProbsMax) and folding into existing [B, Hkv, M] scores (exact-size
   // buffers: keys >= M must never be touched).
   window_scores_case(Ws("window_scores qmax bf16 D=64 mma W=40 G=3 fold M=150 seq{200,0,90}", bf16, 3, 6, 2,
                         200, 40, 64)
                          .qmax().fold(150).ragged({200, 0, 90}).sm_counts({1, 132}).shuffle()
-                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbsMax>"));
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbsMax"));
   window_scores_case(Ws("window_scores qmax fp32 D=24 simt W=33 lse max", f32, 1, 4, 2, 300, 33, 24)
                          .qmax().with_lse().gqa(GqaReduce::kMax).expect(simt_f32));
   window_scores_case(Ws("window_scores qmax fp16 D=256 mma split G=3 W=200 fold M=100 sum", f16, 1, 3, 1,
                         260, 200, 256)
                          .qmax().fold(100).gqa(GqaReduce::kSum).expect(split)
-                         .expect("mma_kernel<__half, 256, window_scores_impl::Pass::kProbsMax>"));
+                         .expect("mma_kernel<__half, 256, window_scores_impl::Pass::kProbsMax"));
   window_scores_case(Ws("window_scores qsum fold M=77 fp16 D=128 mma lse", f16, 1, 4, 1, 300, 20, 128)
-                         .fold(77).with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs>"));
+                         .fold(77).with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs"));
 }
 
 // ---- pool_scores --------------------------------------------------------------------------
