@@ -2,6 +2,8 @@
 // in test_emu.h; cases in test_emu_prefill.cpp and test_emu_decode.cpp).
 #include "test_emu.h"
 
+#include "kvprune/fp8.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,6 +31,8 @@ double value_at(const unsigned char* bytes, Elem elem, int64_t i) {
       std::memcpy(&v, bytes + 4 * i, 4);
       return v;
     }
+    case Elem::kFp8E4M3: return kvprune::fp8_to_float(kvprune::Fp8E4M3{bytes[i]});
+    case Elem::kFp8E5M2: return kvprune::fp8_to_float(kvprune::Fp8E5M2{bytes[i]});
     default: {
       uint16_t h;
       std::memcpy(&h, bytes + 2 * i, 2);
@@ -66,9 +70,23 @@ std::string config_name(const Config& c) {
 unsigned char g_workspace_fill = 0xff;
 
 Elem elem_of(DType dtype) {
-  return dtype == DType::kFloat16 ? Elem::kF16 : dtype == DType::kBFloat16 ? Elem::kBF16 : Elem::kF32;
+  switch (dtype) {
+    case DType::kFloat16: return Elem::kF16;
+    case DType::kBFloat16: return Elem::kBF16;
+    case DType::kFloat8E4M3: return Elem::kFp8E4M3;
+    case DType::kFloat8E5M2: return Elem::kFp8E5M2;
+    default: return Elem::kF32;
+  }
 }
-size_t elem_bytes(Elem elem) { return elem == Elem::kF16 || elem == Elem::kBF16 ? 2 : 4; }
+size_t elem_bytes(Elem elem) {
+  switch (elem) {
+    case Elem::kF16:
+    case Elem::kBF16: return 2;
+    case Elem::kFp8E4M3:
+    case Elem::kFp8E5M2: return 1;
+    default: return 4;
+  }
+}
 
 ExactBuffer::ExactBuffer(size_t bytes, size_t pad) : bytes_(bytes), pad_(pad) {
   base_ = static_cast<unsigned char*>(::operator new(pad + bytes, std::align_val_t{64}));
@@ -128,6 +146,8 @@ void store(Buffer& b, int64_t i, float value) {
     case Elem::kF16: b.as<uint16_t>()[i] = float_to_half(value); break;
     case Elem::kBF16: b.as<uint16_t>()[i] = float_to_bf16(value); break;
     case Elem::kI32: b.as<int32_t>()[i] = static_cast<int32_t>(value); break;
+    case Elem::kFp8E4M3:
+    case Elem::kFp8E5M2: std::abort();  // fill_normal draws fp8 bytes directly
   }
 }
 
@@ -137,6 +157,15 @@ std::mt19937& rng() {
 }
 
 void fill_normal(Buffer& b, float stddev) {
+  if (b.elem == Elem::kFp8E4M3 || b.elem == Elem::kFp8E5M2) {  // sign, exponent 2^-3..2^3, mantissa
+    const bool e4m3 = b.elem == Elem::kFp8E4M3;
+    std::uniform_int_distribution<int> sign(0, 1), exponent(-3, 3), mantissa(0, e4m3 ? 7 : 3);
+    for (int64_t i = 0; i < b.count; ++i) {
+      const int e = exponent(rng()) + (e4m3 ? 7 : 15);
+      b.as<uint8_t>()[i] = static_cast<uint8_t>(sign(rng()) << 7 | e << (e4m3 ? 3 : 2) | mantissa(rng()));
+    }
+    return;
+  }
   std::normal_distribution<float> normal(0.f, stddev);
   for (int64_t i = 0; i < b.count; ++i) {
     float x = normal(rng());

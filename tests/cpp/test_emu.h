@@ -26,7 +26,7 @@ namespace emu_test {
 using kvprune::DType;
 using kvprune::Status;
 
-enum class Elem { kF32, kF16, kBF16, kI32 };
+enum class Elem { kF32, kF16, kBF16, kI32, kFp8E4M3, kFp8E5M2 };
 Elem elem_of(DType dtype);
 size_t elem_bytes(Elem elem);
 
@@ -99,7 +99,7 @@ uint16_t float_to_bf16(float x);
 float bf16_to_float(uint16_t h);
 void store(Buffer& b, int64_t i, float value);  // element i of a float/half buffer
 std::mt19937& rng();
-void fill_normal(Buffer& b, float stddev = 1.f);
+void fill_normal(Buffer& b, float stddev = 1.f);  // fp8: random values of magnitude 2^-3..2^3
 void fill_uniform(Buffer& b, float lo, float hi, int levels = 0);  // levels > 0: quantised (ties)
 void set_ints(Buffer& b, const std::vector<int32_t>& values);
 

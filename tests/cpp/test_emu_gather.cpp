@@ -207,6 +207,12 @@ void gather_cases() {
                    .expect("compact_kv_kernel<uint2>"));
   compact_case(Cmp("compact dense fp16 D=5 2B vectors sinks+recent", f16, 2, 2, 70, 25, 5).streaming()
                    .expect("compact_kv_kernel<short unsigned int>"));
+  // fp8 caches move as bytes: odd rows take 1-byte vectors.
+  compact_case(Cmp("compact paged fp8 e4m3 D=7 1B vectors", DType::kFloat8E4M3, 2, 2, 60, 20, 7).paged(16)
+                   .expect("compact_kv_kernel<unsigned char>"));
+  gather_case(Gat("gather fp8 e5m2 D=9 1B vectors", DType::kFloat8E5M2, 1, 2, 50, 20, 9)
+                  .expect("gather_kv_kernel<unsigned char>"));
+  gather_case(Gat("gather fp8 e4m3 D=128 16B vectors", DType::kFloat8E4M3, 2, 2, 80, 30, 128).expect(v16));
 }
 
 }  // namespace emu_test

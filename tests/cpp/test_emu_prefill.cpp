@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "test_emu.h"
@@ -35,10 +36,13 @@ struct Ws {
   Ws& shuffle() { shuffled = true; return *this; }
   Ws& expect(const char* kernel) { kernels.push_back(kernel); return *this; }
   Ws& paged(int64_t tokens_per_block) { block_size = tokens_per_block; return *this; }
+  Ws& fp8(DType storage, int64_t scales) { k_dtype = storage; k_scales = scales; return *this; }
   const char* name;
   DType dtype;
   int64_t B, Hq, Hkv, N, W, D;
   int64_t block_size = 0;  // > 0: K read from a pool of such blocks [blocks, block_size, Hkv, D]
+  std::optional<DType> k_dtype;  // fp8 K (q keeps dtype)
+  int64_t k_scales = 0;          // k_scale values: 0 (none), 1 or Hkv
   bool bnhd_view = false;
   int64_t pad = 0;       // extra elements after every q and k row
   size_t q_offset = 0;   // bytes the q pointer sits past a 64-byte boundary
@@ -144,10 +148,17 @@ void window_scores_case(const Ws& s) {
   const Tokens qt = layout(s.bnhd_view, s.B, s.Hq, s.W, s.D, s.pad);
   const Tokens kt = layout(s.bnhd_view, s.B, s.Hkv, s.N, s.D, s.pad);
   Buffer& q = c.add("q", Role::kIn, e, qt.span, exact(), s.q_offset);
-  Buffer& k = c.add("k", Role::kIn, e, kt.span);
+  Buffer& k = c.add("k", Role::kIn, s.k_dtype ? elem_of(*s.k_dtype) : e, kt.span);
   fill_normal(q);
   fill_normal(k);
   kvprune::WindowScoresParams p = scores_params(c, s, q, qt, k, kt);
+  p.k_dtype = s.k_dtype;
+  if (s.k_scales > 0) {
+    Buffer& scale = c.add("k_scale", Role::kIn, Elem::kF32, s.k_scales);
+    fill_uniform(scale, 0.25f, 2.f);
+    p.k_scale = scale.as<float>();
+    p.k_scale_count = s.k_scales;
+  }
   if (s.block_size > 0) p.k = paged_copy(c, s, k, kt);
   const int64_t row = s.fold_length > 0 ? s.fold_length : s.N;
   Buffer& scores = c.add("scores", s.fold_length > 0 ? Role::kInOut : Role::kOut, Elem::kF32,
@@ -190,6 +201,14 @@ void window_scores_cases() {
                          .bnhd().gqa(GqaReduce::kSum).ragged({0, 300, 555}).sm_counts({1, 2, 132}).shuffle()
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kStats")
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbs"));
+  // fp8 K (q keeps its type): tensor cores convert 8 fp8 bytes per fragment, SIMT per element.
+  window_scores_case(Ws("window_scores fp8 e4m3 K bf16 q D=64 mma per-head k_scale seq{200,61}", bf16, 2,
+                        4, 2, 200, 8, 64).fp8(DType::kFloat8E4M3, 2).ragged({200, 61})
+                         .expect("Pass::kStats, kvprune::Fp8E4M3>"));
+  window_scores_case(Ws("window_scores fp8 e5m2 K fp16 q D=128 mma lse", f16, 1, 4, 1, 150, 16, 128)
+                         .fp8(DType::kFloat8E5M2, 0).with_lse().expect("Pass::kProbs, kvprune::Fp8E5M2>"));
+  window_scores_case(Ws("window_scores fp8 e4m3 K fp32 q D=20 simt k_scale qmax", f32, 1, 2, 2, 90, 5, 20)
+                         .fp8(DType::kFloat8E4M3, 1).qmax().expect("simt_kernel<float"));
   // Paged K (block tables, shuffled blocks, a wrong block's keys are 100x larger).
   window_scores_case(Ws("window_scores paged bf16 D=64 mma bs=16 N=200 W=8 seq{200,77}", bf16, 2, 4, 2,
                         200, 8, 64).paged(16).ragged({200, 77}));
