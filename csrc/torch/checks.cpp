@@ -51,9 +51,10 @@ void set_key_type(WindowScoresParams& p, const at::Tensor& k, const char* name, 
   if (!k_scale.has_value()) return;
   const at::Tensor& s = *k_scale;
   TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "k_scale must be float32, got ", s.scalar_type());
-  TORCH_CHECK_VALUE(s.dim() <= 1 && (s.numel() == 1 || s.numel() == p.kv_heads) && s.is_contiguous(),
-                    "k_scale must be a contiguous fp32 tensor of shape [] or [", p.kv_heads,
-                    "] (per KV head), got shape ", s.sizes());
+  TORCH_CHECK_VALUE(s.dim() <= 1 && (s.numel() == 1 || s.numel() == p.kv_heads),
+                    "k_scale must have shape [] or [", p.kv_heads, "] (per KV head), got shape ",
+                    s.sizes());
+  TORCH_CHECK_VALUE(s.is_contiguous(), "k_scale must be contiguous, got strides ", s.strides());
   check_same_device(s, "k_scale", q, "q");
   p.k_scale = s.data_ptr<float>();
   p.k_scale_count = s.numel();
