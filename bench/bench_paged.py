@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Ops on a paged (block-table) KV cache against the dense ops on the same tokens, same run.
 
-One layer of Qwen2.5-7B's shape (Hq=28, Hkv=4, D=128), one sequence of N tokens in a pool of
-blocks (shuffled block ids, layout "NHD" = vLLM's), W=32 window queries, budget 20 % of N.
+One layer of Qwen2.5-7B's shape (Hq=28, Hkv=4, D=128, bf16 queries), one sequence of N tokens
+in a pool of blocks (shuffled block ids, layout "NHD" = vLLM's), W=32 window queries, budget
+20 % of N. Two caches with the same tokens: bf16, and fp8 e4m3 with a per-KV-head scale (the
+bf16 cache is its exact dequantisation).
 Rows (time interleaved round-robin, median):
 
 * ``window_scores``: dense ``kp.window_scores`` / ``kp.paged.window_scores`` (block sizes 16
@@ -17,7 +19,7 @@ Rows (time interleaved round-robin, median):
 
 In-place methods get an untouched copy of the pool per call, made before the timing.
 
-    python bench/bench_paged.py [--n 4096 32768] [--dtype bfloat16] [--reps 5] [--json out.json]
+    python bench/bench_paged.py [--n 4096 32768] [--reps 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,15 +40,17 @@ import kvprune_cuda as kp  # noqa: E402
 HQ, HKV, D, W, N_SINK, KERNEL = 28, 4, 128, 32, 4, 7
 
 
-def paged_sequence(n: int, block_size: int, dtype, gen):
-    """A pool holding one n-token sequence in shuffled blocks (+ as many spare blocks), its
-    block table [1, blocks] and the same K/V as dense [1, Hkv, n, D] tensors."""
+def pool_from(dense: torch.Tensor, block_size: int, gen):
+    """A pool holding the n tokens of dense [1, Hkv, n, D] in shuffled blocks (as many spare
+    blocks, random), and its block table [1, blocks]."""
+    n = dense.shape[2]
     blocks = -(-n // block_size)
-    pool = torch.randn(2 * blocks, block_size, HKV, D, generator=gen).to(dtype)
-    pool_v = torch.randn(2 * blocks, block_size, HKV, D, generator=gen).to(dtype)
+    pool = torch.randn(2 * blocks, block_size, HKV, D, generator=gen).to(dense.dtype)
     table = torch.randperm(2 * blocks, generator=gen)[:blocks].int()[None]
-    dense = [to_dense(p, table, n) for p in (pool, pool_v)]
-    return pool, pool_v, table, dense
+    flat = torch.zeros(blocks * block_size, HKV, D, dtype=dense.dtype)
+    flat[:n] = dense[0].transpose(0, 1)
+    pool[table[0].long()] = flat.view(blocks, block_size, HKV, D)
+    return pool, table
 
 
 def to_dense(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
@@ -63,27 +67,23 @@ def scatter_back(pool: torch.Tensor, table: torch.Tensor, kept: torch.Tensor) ->
     pool[table[0, :used].long()] = flat.view(used, bs, HKV, D)
 
 
-def bench_n(n: int, dtype, reps: int, fma_gflops: float) -> list[dict]:
-    gen = torch.Generator().manual_seed(n)
-    q = torch.randn(1, HQ, W, D, generator=gen).to(dtype)
-    budget = int(0.2 * n)
-    lens = torch.tensor([n], dtype=torch.int32)
-    rows = []
-    flops = 2.0 * HQ * W * n * D
-    roof_ms = flops / (fma_gflops * 1e9) * 1e3
-    seqs = {bs: paged_sequence(n, bs, dtype, gen) for bs in (16, 128)}
-    dk, dv = seqs[16][3]  # same tokens in every pool, dense
-    for bs, (pk, pv, table, dense) in seqs.items():
-        torch.testing.assert_close(kp.paged.window_scores(q, pk, table, lens),
-                                   kp.window_scores(q, dense[0]), rtol=1e-5, atol=1e-6)
-    fns = {"dense": lambda: kp.window_scores(q, dk),
-           "paged bs16": lambda: kp.paged.window_scores(q, seqs[16][0], seqs[16][2], lens),
-           "paged bs128": lambda: kp.paged.window_scores(q, seqs[128][0], seqs[128][2], lens),
-           "peer gather+dense bs16": lambda: kp.window_scores(q, to_dense(seqs[16][0], seqs[16][2], n))}
-    for name, t in zip(fns, timing.time_cpu_interleaved(list(fns.values()), repeats=reps)):
-        rows.append({"op": "window_scores", "n": n, "method": name, **t, "roofline_ms": roof_ms})
+def caches(n: int, gen):
+    """K/V [1, Hkv, n, D] per cache type: bf16, and e4m3 fp8 with a power-of-two scale per KV
+    head whose dequantised values are exactly the bf16 caches' (same tokens)."""
+    scale = torch.tensor([0.25, 0.5, 1.0, 2.0])[:HKV]
+    k8, v8 = ((torch.randn(1, HKV, n, D, generator=gen) * 2).to(torch.float8_e4m3fn) for _ in range(2))
+    dequant = lambda x: (x.float() * scale.view(1, HKV, 1, 1)).bfloat16()  # noqa: E731
+    return {"bf16": (dequant(k8), dequant(v8), None), "fp8 e4m3": (k8, v8, scale)}
 
-    pk, pv, table, _ = seqs[16]
+
+def bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen) -> list[dict]:
+    lens = torch.tensor([n], dtype=torch.int32)
+    budget = int(0.2 * n)
+    pools = {bs: (*pool_from(k, bs, gen), pool_from(v, bs, gen)[0]) for bs in (16, 128)}  # pk, table, pv
+    for pk, table, _ in pools.values():
+        torch.testing.assert_close(kp.paged.window_scores(q, pk, table, lens, k_scale=k_scale),
+                                   kp.window_scores(q, k, k_scale=k_scale), rtol=1e-5, atol=1e-6)
+    pk, table, pv = pools[16]
     calls = reps + 1  # time_cpu_interleaved: one warmup call, then the timed ones
 
     def fresh_pools():
@@ -92,61 +92,86 @@ def bench_n(n: int, dtype, reps: int, fma_gflops: float) -> list[dict]:
         return lambda: next(copies)
 
     def paged_snapkv(pools):
-        k, v = pools()
-        return kp.paged.snapkv(q, k, v, table, lens, budget, n_sink=N_SINK, window=W,
-                               kernel_size=KERNEL)
+        kc, vc = pools()
+        return kp.paged.snapkv(q, kc, vc, table, lens, budget, n_sink=N_SINK, window=W,
+                               kernel_size=KERNEL, k_scale=k_scale)
 
     def peer_snapkv(pools):
-        k, v = pools()
-        kk, vv, idx = kp.snapkv(q, to_dense(k, table, n), to_dense(v, table, n), budget,
-                                n_sink=N_SINK, window=W, kernel_size=KERNEL)
-        scatter_back(k, table, kk)
-        scatter_back(v, table, vv)
+        kc, vc = pools()
+        kk, vv, idx = kp.snapkv(q, to_dense(kc, table, n), to_dense(vc, table, n), budget,
+                                n_sink=N_SINK, window=W, kernel_size=KERNEL, k_scale=k_scale)
+        scatter_back(kc, table, kk)
+        scatter_back(vc, table, vv)
         return idx
 
     def paged_compact(pools):
-        k, v = pools()
-        return kp.paged.compact(k, v, table, lens, idx_dense)
+        kc, vc = pools()
+        return kp.paged.compact(kc, vc, table, lens, idx)
 
-    idx_dense = kp.snapkv(q, dk, dv, budget, n_sink=N_SINK, window=W, kernel_size=KERNEL).idx
+    idx = kp.snapkv(q, k, v, budget, n_sink=N_SINK, window=W, kernel_size=KERNEL, k_scale=k_scale).idx
     one = lambda: (pk.clone(), pv.clone())  # noqa: E731
-    assert torch.equal(paged_snapkv(one).idx, idx_dense) and torch.equal(peer_snapkv(one), idx_dense)
-    cases = [("snapkv", "dense kp.snapkv", lambda: kp.snapkv(q, dk, dv, budget, n_sink=N_SINK,
-                                                             window=W, kernel_size=KERNEL)),
+    assert torch.equal(paged_snapkv(one).idx, idx) and torch.equal(peer_snapkv(one), idx)
+    cases = [("window_scores", "dense", lambda: kp.window_scores(q, k, k_scale=k_scale)),
+             ("window_scores", "paged, blocks of 16",
+              lambda: kp.paged.window_scores(q, pk, table, lens, k_scale=k_scale)),
+             ("window_scores", "paged, blocks of 128",
+              lambda: kp.paged.window_scores(q, pools[128][0], pools[128][1], lens, k_scale=k_scale)),
+             ("window_scores", "peer: gather the blocks to dense + dense op",
+              lambda: kp.window_scores(q, to_dense(pk, table, n), k_scale=k_scale)),
+             *([("window_scores", "peer: dequantise K to bf16 (PyTorch) + dense op",
+                 lambda: kp.window_scores(q, (k.float() * k_scale.view(1, -1, 1, 1)).bfloat16()))]
+               if k_scale is not None else []),
+             ("snapkv", "dense kp.snapkv", lambda: kp.snapkv(q, k, v, budget, n_sink=N_SINK, window=W,
+                                                             kernel_size=KERNEL, k_scale=k_scale)),
              ("snapkv", "kp.paged.snapkv (in place)", lambda p=fresh_pools(): paged_snapkv(p)),
              ("snapkv", "peer: gather + kp.snapkv + scatter back",
               lambda p=fresh_pools(): peer_snapkv(p)),
-             ("compact", "dense kp.gather_kv", lambda: kp.gather_kv(dk, dv, idx_dense)),
+             ("compact", "dense kp.gather_kv", lambda: kp.gather_kv(k, v, idx)),
              ("compact", "kp.paged.compact (in place)", lambda p=fresh_pools(): paged_compact(p))]
     t = timing.time_cpu_interleaved([c[2] for c in cases], repeats=reps)
-    for (op, name, _), r in zip(cases, t):
-        rows.append({"op": op, "n": n, "method": name, **r})
+    return [{"op": op, "n": n, "cache": name, "method": method, **r,
+             **({"roofline_ms": roof_ms} if op == "window_scores" else {})}
+            for (op, method, _), r in zip(cases, t)]
+
+
+def bench_n(n: int, reps: int, fma_gflops: float) -> list[dict]:
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(1, HQ, W, D, generator=gen).bfloat16()
+    roof_ms = 2.0 * HQ * W * n * D / (fma_gflops * 1e9) * 1e3
+    rows = []
+    for name, (k, v, k_scale) in caches(n, gen).items():
+        rows += bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 32768])
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
     fma = roofline.measure(torch.get_num_threads())
     print(f"fp32 FMA roofline ({fma['isa']}): {fma['gflops']:.1f} GFLOP/s on {fma['threads']} threads")
     rows = []
     for n in args.n:
-        rows += bench_n(n, dtype, args.reps, fma["gflops"])
-    print("| op | N | method | median ms | x dense | x roofline |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        base = next(x["median_ms"] for x in rows if x["op"] == r["op"] and x["n"] == r["n"])
-        roof = f"{r['median_ms'] / r['roofline_ms']:.2f}" if "roofline_ms" in r else ""
-        print(f"| {r['op']} | {r['n']} | {r['method']} | {r['median_ms']:.2f} | "
-              f"{r['median_ms'] / base:.2f} | {roof} |")
+        rows += bench_n(n, args.reps, fma["gflops"])
+    print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"dtype": args.dtype, "fma": fma, "rows": rows,
-                                         "threads": torch.get_num_threads()}, indent=1))
+        args.json.write_text(json.dumps({"fma": fma, "rows": rows, "threads": torch.get_num_threads()},
+                                        indent=1))
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown; "x dense" = time over the dense bf16 op on the same tokens, same run."""
+    out = ["| op | N | cache | method | median ms | x dense bf16 | x roofline |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(x["median_ms"] for x in rows if (x["op"], x["n"], x["cache"]) ==
+                    (r["op"], r["n"], "bf16") and x["method"].startswith("dense"))
+        roof = f"{r['median_ms'] / r['roofline_ms']:.2f}" if "roofline_ms" in r else ""
+        out.append(f"| {r['op']} | {r['n']} | {r['cache']} | {r['method']} | {r['median_ms']:.2f} | "
+                   f"{r['median_ms'] / base:.2f} | {roof} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
