@@ -19,7 +19,9 @@ Rows (time interleaved round-robin, median):
 
 In-place methods get an untouched copy of the pool per call, made before the timing.
 
-    python bench/bench_paged.py [--n 4096 32768] [--reps 5] [--json out.json]
+    python bench/bench_paged.py [--n 4096 32768] [--reps 5] [--device cpu|cuda] [--json out.json]
+
+On CUDA each row is timed alone with CUDA events (3 warmup calls, L2 not flushed), no roofline.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import timing  # noqa: E402
 import kvprune_cuda as kp  # noqa: E402
 
 HQ, HKV, D, W, N_SINK, KERNEL = 28, 4, 128, 32, 4, 7
+WARMUP_CUDA = 3
 
 
 def pool_from(dense: torch.Tensor, block_size: int, gen):
@@ -62,7 +65,7 @@ def scatter_back(pool: torch.Tensor, table: torch.Tensor, kept: torch.Tensor) ->
     """The peer's write-back: kept [1, Hkv, k, D] into the first ceil(k / bs) blocks."""
     bs, k = pool.shape[1], kept.shape[2]
     used = -(-k // bs)
-    flat = torch.zeros(used * bs, HKV, D, dtype=pool.dtype)
+    flat = torch.zeros(used * bs, HKV, D, dtype=pool.dtype, device=pool.device)
     flat[:k] = kept[0].transpose(0, 1)
     pool[table[0, :used].long()] = flat.view(used, bs, HKV, D)
 
@@ -76,15 +79,19 @@ def caches(n: int, gen):
     return {"bf16": (dequant(k8), dequant(v8), None), "fp8 e4m3": (k8, v8, scale)}
 
 
-def bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen) -> list[dict]:
-    lens = torch.tensor([n], dtype=torch.int32)
+def bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen, device) -> list[dict]:
     budget = int(0.2 * n)
-    pools = {bs: (*pool_from(k, bs, gen), pool_from(v, bs, gen)[0]) for bs in (16, 128)}  # pk, table, pv
+    pools = {bs: tuple(x.to(device) for x in (*pool_from(k, bs, gen), pool_from(v, bs, gen)[0]))
+             for bs in (16, 128)}  # pk, table, pv
+    k, v, q = k.to(device), v.to(device), q.to(device)
+    k_scale = None if k_scale is None else k_scale.to(device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
     for pk, table, _ in pools.values():
         torch.testing.assert_close(kp.paged.window_scores(q, pk, table, lens, k_scale=k_scale),
                                    kp.window_scores(q, k, k_scale=k_scale), rtol=1e-5, atol=1e-6)
     pk, table, pv = pools[16]
-    calls = reps + 1  # time_cpu_interleaved: one warmup call, then the timed ones
+    cuda = device == "cuda"
+    calls = reps + (WARMUP_CUDA if cuda else 1)  # the timer's warmup calls, then the timed ones
 
     def fresh_pools():
         """An untouched copy of the pool per call of an in-place method (made before timing)."""
@@ -128,19 +135,22 @@ def bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen) -> list[dict]:
               lambda p=fresh_pools(): peer_snapkv(p)),
              ("compact", "dense kp.gather_kv", lambda: kp.gather_kv(k, v, idx)),
              ("compact", "kp.paged.compact (in place)", lambda p=fresh_pools(): paged_compact(p))]
-    t = timing.time_cpu_interleaved([c[2] for c in cases], repeats=reps)
+    if cuda:
+        t = [timing.time_cuda(c[2], repeats=reps, warmup=WARMUP_CUDA) for c in cases]
+    else:
+        t = timing.time_cpu_interleaved([c[2] for c in cases], repeats=reps)
     return [{"op": op, "n": n, "cache": name, "method": method, **r,
-             **({"roofline_ms": roof_ms} if op == "window_scores" else {})}
+             **({"roofline_ms": roof_ms} if op == "window_scores" and not cuda else {})}
             for (op, method, _), r in zip(cases, t)]
 
 
-def bench_n(n: int, reps: int, fma_gflops: float) -> list[dict]:
+def bench_n(n: int, reps: int, fma_gflops: float, device: str) -> list[dict]:
     gen = torch.Generator().manual_seed(n)
     q = torch.randn(1, HQ, W, D, generator=gen).bfloat16()
     roof_ms = 2.0 * HQ * W * n * D / (fma_gflops * 1e9) * 1e3
     rows = []
     for name, (k, v, k_scale) in caches(n, gen).items():
-        rows += bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen)
+        rows += bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen, device)
     return rows
 
 
@@ -148,17 +158,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    fma = roofline.measure(torch.get_num_threads())
-    print(f"fp32 FMA roofline ({fma['isa']}): {fma['gflops']:.1f} GFLOP/s on {fma['threads']} threads")
+    if args.device == "cuda":
+        fma = None  # no CPU roofline for GPU rows
+    else:
+        fma = roofline.measure(torch.get_num_threads())
+        print(f"fp32 FMA roofline ({fma['isa']}): {fma['gflops']:.1f} GFLOP/s on {fma['threads']} threads")
     rows = []
     for n in args.n:
-        rows += bench_n(n, args.reps, fma["gflops"])
+        rows += bench_n(n, args.reps, fma["gflops"] if fma else float("nan"), args.device)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"fma": fma, "rows": rows, "threads": torch.get_num_threads()},
-                                        indent=1))
+        args.json.write_text(json.dumps({"device": args.device, "fma": fma, "rows": rows,
+                                         "threads": torch.get_num_threads()}, indent=1))
 
 
 def table(rows: list[dict]) -> str:

@@ -7,8 +7,8 @@
 # Each step appends to a log under $OUT and runs under `timeout`; a failing step is recorded
 # and the next one runs anyway. Timeouts are capped so the whole script ends within
 # GPU_CHECK_BUDGET_S seconds (default 465, under 8 minutes), keeping time for later steps.
-# Files left in $OUT (7): setup.log tests.log sanitize.log bench.log prefill.json prefill.png
-# summary.txt
+# Files left in $OUT (8): setup.log tests.log sanitize.log bench.log prefill.json prefill.png
+# paged.json summary.txt
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -96,11 +96,15 @@ bench_decode() {
   "$PY" "$REPO/bench/bench_decode.py" --device cuda --repeats 20
 }
 
+bench_paged() {
+  "$PY" "$REPO/bench/bench_paged.py" --device cuda --reps 20 --n 4096 32768 --json "$OUT/paged.json"
+}
+
 plot_prefill() {
   "$PY" "$REPO/bench/plot_prefill.py" "$OUT/prefill.json" -o "$OUT/prefill.png"
 }
 
-export -f env_info build_install run_tests memcheck racecheck bench_prefill bench_select bench_decode plot_prefill
+export -f env_info build_install run_tests memcheck racecheck bench_prefill bench_select bench_decode bench_paged plot_prefill
 
 #    name           log           max  reserve(for the steps after)
 step env            setup.log      60  420 env_info
@@ -111,6 +115,7 @@ step racecheck      sanitize.log   90  120 racecheck
 step bench_prefill  bench.log     180   40 bench_prefill
 step bench_select   bench.log      60   40 bench_select
 step bench_decode   bench.log      40   10 bench_decode
+step bench_paged    bench.log      40   10 bench_paged
 step plot           bench.log      30    0 plot_prefill
 
 {
@@ -118,7 +123,7 @@ step plot           bench.log      30    0 plot_prefill
   echo "---- tests (tail) ----"; tail -n 6 "$OUT/tests.log"
   echo "---- sanitizers ----"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases ok|FAIL " "$OUT/sanitize.log"
   echo "---- bench (rows) ----"
-  grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|kvprune|kp\.|bench_|kvprune_cuda)" | tail -n 64
+  grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|kvprune|kp\.|bench_|kvprune_cuda|\| (window_scores|snapkv|compact) )" | tail -n 110
   echo
   echo "---- gpu_check summary ($(( $(date +%s) - START ))s total) ----"
   printf "%-15s %-24s %6s\n" step status seconds

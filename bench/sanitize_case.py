@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Small CUDA workload for compute-sanitizer (memcheck, racecheck): every prefill op once.
+"""Small CUDA workload for compute-sanitizer (memcheck, racecheck): every prefill op once, and
+the paged ops (block-table reads, in-place compaction) on bf16 and fp8 pools.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 bench/sanitize_case.py
 
@@ -97,6 +98,50 @@ def run_case(name: str, dtype: torch.dtype, batch: int, q_heads: int, kv_heads: 
     torch.cuda.synchronize()
 
 
+def run_paged_case(name: str, dtype: torch.dtype, block_size: int, lens: list[int], budget: int,
+                   head_dim: int = 128, q_heads: int = 8, kv_heads: int = 2, window: int = 16) -> None:
+    """kp.paged.window_scores and kp.paged.snapkv (compacting in place) on a pool of shuffled
+    blocks (layout NHD); fp8 pools with a per-KV-head k_scale. Checked against the reference
+    on CPU copies: scores loosely, compaction byte for byte."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    per_row = -(-max(lens) // block_size)
+    blocks = len(lens) * per_row + 3
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(blocks, generator=gen)[:len(lens) * per_row].int().view(len(lens), per_row)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_dtype = torch.bfloat16 if fp8 else dtype
+    q = torch.randn(len(lens), q_heads, window, head_dim, generator=gen).to(q_dtype)
+    scale = torch.tensor([0.5, 2.0])[:kv_heads] if fp8 else None
+    dense = ref.paged_to_dense(k, table, seq).float()
+    if scale is not None:
+        dense = dense * scale.view(1, -1, 1, 1)
+    want = ref.window_scores(q.float(), dense, seq_lens=seq)
+    k_ref, v_ref = k.view(torch.uint8).clone(), v.view(torch.uint8).clone()  # compacted below
+    kc, vc, tc, sc = k.cuda(), v.cuda(), table.cuda(), seq.cuda()
+    scale_c = scale.cuda() if scale is not None else None
+    got = kp.paged.window_scores(q.cuda(), kc, tc, sc, k_scale=scale_c)
+    err = rel_err(got[:, :, :want.shape[2]], want)
+    assert err < 2e-2, f"paged.window_scores: rel err {err:.2e}"
+    idx, new_lens = kp.paged.snapkv(q.cuda(), kc, vc, tc, sc, budget, n_sink=4, window=window,
+                                    k_scale=scale_c)
+    torch.cuda.synchronize()
+    want_lens = ref.paged_compact(k_ref, v_ref, table, seq, idx.cpu())
+    assert torch.equal(new_lens.cpu(), want_lens), "paged.snapkv new seq_lens"
+    for got_pool, want_pool, label in ((kc, k_ref, "k"), (vc, v_ref, "v")):
+        got_dense = ref.paged_to_dense(got_pool.cpu().view(torch.uint8), table, want_lens)
+        want_dense = ref.paged_to_dense(want_pool, table, want_lens)
+        assert torch.equal(got_dense, want_dense), f"paged compaction {label}"
+
+
+PAGED_CASES = [
+    # name, pool dtype, block_size, seq_lens, budget
+    ("paged bf16 bs16", torch.bfloat16, 16, [300, 77], 60),
+    ("paged fp8 e4m3 bs32", torch.float8_e4m3fn, 32, [200, 129], 48),
+    ("paged fp16 bs1", torch.float16, 1, [90], 30),
+]
+
 CASES = [
     # name, dtype, B, Hq, Hkv, N, D, W, budget, ragged, strided
     ("bf16 gqa4 ragged", torch.bfloat16, 2, 8, 2, 1000, 128, 32, 150, True, False),
@@ -119,8 +164,16 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001  (report every case)
             failed += 1
             print(f"FAIL  {case[0]}: {type(e).__name__}: {e}", flush=True)
+    for case in PAGED_CASES:
+        try:
+            run_paged_case(*case)
+            print(f"ok    {case[0]}", flush=True)
+        except Exception as e:  # noqa: BLE001  (report every case)
+            failed += 1
+            print(f"FAIL  {case[0]}: {type(e).__name__}: {e}", flush=True)
     torch.cuda.synchronize()
-    print(f"sanitize_case: {len(CASES) - failed}/{len(CASES)} cases ok")
+    total = len(CASES) + len(PAGED_CASES)
+    print(f"sanitize_case: {total - failed}/{total} cases ok")
     return 1 if failed else 0
 
 
