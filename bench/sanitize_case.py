@@ -157,16 +157,9 @@ def main() -> int:
         return 1
     print(kp.build_info())
     failed = 0
-    for case in CASES:
+    for run, case in [(run_case, c) for c in CASES] + [(run_paged_case, c) for c in PAGED_CASES]:
         try:
-            run_case(*case)
-            print(f"ok    {case[0]}", flush=True)
-        except Exception as e:  # noqa: BLE001  (report every case)
-            failed += 1
-            print(f"FAIL  {case[0]}: {type(e).__name__}: {e}", flush=True)
-    for case in PAGED_CASES:
-        try:
-            run_paged_case(*case)
+            run(*case)
             print(f"ok    {case[0]}", flush=True)
         except Exception as e:  # noqa: BLE001  (report every case)
             failed += 1
