@@ -230,18 +230,16 @@ def test_kernel_choice(dtype, head_dim, layout, kernel, fmt, gen):
 
 @pytest.mark.parametrize("scale_kind", ["scalar", "per_head"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_k_scale_with_unquantised_k(dtype, scale_kind, device, gen):
-    """k_scale also scales a K of q's dtype: as scaling K by hand (float64), and for a
-    scalar as multiplying the softmax scale."""
+def test_k_scale_needs_an_fp8_cache(dtype, scale_kind, device, gen):
+    """k_scale dequantises fp8 caches only; with a K of q's dtype it is refused (scale the
+    softmax with scale= instead), dense and paged."""
     k_scale = k_scale_of(scale_kind, device)
     q = randn_tokens(2, 4, W, 64, dtype=dtype, device=device, gen=gen)
     k = randn_tokens(2, HKV, N, 64, dtype=dtype, device=device, layout="bnhd", gen=gen)
-    tol = score_tol(device, dtype)
-    out = kp.window_scores(q, k, k_scale=k_scale)
-    assert_scores_close(out, ref.window_scores(q, dequantised(k, k_scale)), tol)
-    if scale_kind == "scalar":
-        by_scale = kp.window_scores(q, k, scale=0.125 * SCALES["scalar"][0])
-        assert_scores_close(out, by_scale, tol)
+    with pytest.raises(ValueError, match=r"^k_scale\b.*fp8"):
+        kp.window_scores(q, k, k_scale=k_scale)
+    with pytest.raises(ValueError, match=r"^k_scale\b.*fp8"):
+        kp.snapkv(q, k, k, 16, n_sink=2, window=8, k_scale=k_scale)
 
 
 # ---------------------------------------------------------------- snapkv

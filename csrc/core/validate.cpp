@@ -36,7 +36,8 @@ bool valid_pool(int64_t kernel_size, PoolMode mode) {
 
 Status validate_sizes(const WindowScoresParams& p) {
   if (!valid_dtype(p.dtype) || !valid_storage(key_dtype(p))) return Status::kUnsupportedDtype;
-  if (p.k_scale != nullptr && p.k_scale_count != 1 && p.k_scale_count != p.kv_heads)
+  if (p.k_scale != nullptr &&
+      (!is_fp8(key_dtype(p)) || (p.k_scale_count != 1 && p.k_scale_count != p.kv_heads)))
     return Status::kInvalidArgument;
   if (p.batch < 0 || p.length < 0 || p.window < 1 || p.head_dim < 1) return Status::kInvalidArgument;
   if (p.kv_heads < 1 || p.q_heads < p.kv_heads || p.q_heads % p.kv_heads != 0)

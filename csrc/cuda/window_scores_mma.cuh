@@ -109,19 +109,20 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
   const int b = bh / a.kv_heads;
   const int kv_head = bh % a.kv_heads;
   const int n = window_scores_row_length(a.seq_lens, b, a.length);
-  const float scale_log2 = window_scores_scale_log2(a, kv_head);
   // Keys this pass covers: all N for the stats, the score row's out_length for the probs.
   const int key_limit = kProbs ? a.out_length : a.length;
   const int first_key = chunk * a.tiles_per_chunk * kTileKeys;  // this CTA's keys
   const int end_key = min(first_key + a.tiles_per_chunk * kTileKeys, key_limit);
-  float* out = nullptr;  // this (split, batch, kv head)'s scores [out_length]
-  if constexpr (kProbs) {
-    out = a.out + (blockIdx.y * static_cast<int64_t>(a.batch) * a.kv_heads + bh) * a.out_length;
-  }
+  // This (split, batch, kv head)'s scores [out_length], recomputed at each store rather
+  // than held in registers through the key loop.
+  const auto out = [&a]() {
+    const int64_t row = blockIdx.y * static_cast<int64_t>(a.batch) * a.kv_heads + blockIdx.x / a.num_chunks;
+    return a.out + row * a.out_length;
+  };
   if (first_key >= n) {  // the chunk holds no valid key
     if constexpr (kProbs) {
       for (int key = first_key + threadIdx.x; key < end_key; key += Shape::kThreads)
-        window_scores_store(out, key, 0.f, a.fold, kQueryMax);
+        window_scores_store(out(), key, 0.f, a.fold, kQueryMax);
     }
     return;
   }
@@ -165,6 +166,9 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     }
   }
   __syncthreads();
+  // The logits' scale: times K's dequantisation scale where K is fp8 (elsewhere the kernel
+  // parameter itself, which takes no register).
+  const float scale_log2 = sizeof(KT) == 1 ? window_scores_scale_log2(a, kv_head) : a.scale_log2;
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -176,7 +180,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     if (warp_key0 >= n) {  // every key of this warp is past the row's end
       if constexpr (kProbs) {
         if (lane < kWarpKeys && warp_key0 + lane < key_limit)
-          window_scores_store(out, warp_key0 + lane, 0.f, a.fold, kQueryMax);
+          window_scores_store(out(), warp_key0 + lane, 0.f, a.fold, kQueryMax);
       }
       continue;
     }
@@ -207,6 +211,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     for (int mt = 0; mt < rows / 16; ++mt) {
       float acc[kKeyTiles][4];
       window_scores_logits<T>(q_frag + mt * kDimChunks * 64, k_frag, acc);
+
       // This lane's rows are row0 and row0 + 8; its key column nt*8 + 2t + e is
       // visible to a row iff nt*8 + e <= that row's limit.
       const int row0 = mt * 16 + g;
@@ -272,7 +277,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
       const float value = per_head ? own : window_scores_own_column<kKeyTiles>(head_sum, 0);
       const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);
       if (g < 2 * kKeyTiles && key < key_limit)
-        window_scores_store(out, key, value * a.out_scale, a.fold, kQueryMax);
+        window_scores_store(out(), key, value * a.out_scale, a.fold, kQueryMax);
     }
   }
 

@@ -90,7 +90,7 @@ inline int64_t contiguous_tokens(const Tokens& x, int64_t t) {
 // folded in place with the query reduction: scores = max(scores, new) (kMax) or
 // scores + new (kSum), positions len <= j < M included (new = 0 there).
 // fp8 K (k_dtype): the keys' values are float(k[b,g,j]) * k_scale[g] (k_scale_count ==
-// kv_heads) or * k_scale[0] (count 1); a k_scale applies to any K dtype, null means 1.
+// kv_heads) or * k_scale[0] (count 1), null means 1; k_scale needs an fp8 K.
 struct WindowScoresParams {
   ConstTokens q;                      // [batch, q_heads, window, head_dim], dtype
   ConstTokens k;                      // [batch, kv_heads, length, head_dim], k_dtype (default dtype)

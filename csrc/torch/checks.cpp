@@ -49,6 +49,8 @@ void set_key_type(WindowScoresParams& p, const at::Tensor& k, const char* name, 
                    k.scalar_type());
   if (is_fp8(storage)) p.k_dtype = storage;
   if (!k_scale.has_value()) return;
+  TORCH_CHECK_VALUE(is_fp8(storage), "k_scale dequantises fp8 caches (float8_e4m3fn, float8_e5m2); ",
+                    name, " is ", k.scalar_type(), " (scale the softmax with scale= instead)");
   const at::Tensor& s = *k_scale;
   TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "k_scale must be float32, got ", s.scalar_type());
   TORCH_CHECK_VALUE(s.dim() <= 1 && (s.numel() == 1 || s.numel() == p.kv_heads),

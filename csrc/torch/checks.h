@@ -22,8 +22,8 @@ DType storage_dtype(const at::Tensor& t, const char* name);
 void check_tokens(const at::Tensor& t, const char* name, bool fp8_ok = false);
 
 // K's element type for p (p.k_dtype when k, named `name`, is an fp8 cache; otherwise it
-// must have q's dtype) and its optional dequantisation scale k_scale: fp32 [] or [Hkv]
-// (p.kv_heads must be set).
+// must have q's dtype) and, for an fp8 cache, its optional dequantisation scale k_scale:
+// fp32 [] or [Hkv] (p.kv_heads must be set).
 void set_key_type(WindowScoresParams& p, const at::Tensor& k, const char* name, const at::Tensor& q,
                   const std::optional<at::Tensor>& k_scale);
 ConstTokens const_tokens(const at::Tensor& t);

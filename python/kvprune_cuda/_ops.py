@@ -74,8 +74,8 @@ def window_scores(
             ``out + new`` for "sum", where ``new`` is what the call returns without
             ``out`` (0 at positions >= n, so there "sum" leaves out unchanged and "max"
             gives max(out, 0)). Chunks of queries fold one after another into one out.
-        k_scale: optional fp32 tensor of shape [] or [Hkv] (per KV head): K's dequantisation
-            scale, as vLLM and TensorRT-LLM store fp8 caches (any K dtype; default 1).
+        k_scale: optional fp32 tensor of shape [] or [Hkv] (per KV head): an fp8 K's
+            dequantisation scale, as vLLM and TensorRT-LLM store fp8 caches (default 1).
 
     Returns:
         fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.
