@@ -27,8 +27,8 @@ import sys
 MUTANTS = [
     ("removed __syncthreads after staging Q (tensor-core window scores)",
      "csrc/cuda/window_scores_mma.cuh",
-     "  }\n  __syncthreads();\n\n  const int warp = threadIdx.x >> 5;",
-     "  }\n\n  const int warp = threadIdx.x >> 5;",
+     "  }\n  __syncthreads();\n  // The logits' scale:",
+     "  }\n  // The logits' scale:",
      "window_scores", r"race: the forward and reverse schedules|wrong: scores differ"),
     ("removed __syncthreads before the next scan tile reuses the scan storage (select)",
      "csrc/cuda/select_keep.cu",
