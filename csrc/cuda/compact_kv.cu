@@ -27,27 +27,10 @@ constexpr int kUnroll = 8;   // tokens per step (loads in flight per thread)
 constexpr int kMaxVecBytes = 16;
 constexpr int kMinVecBytes = 1;  // fp8 rows may have an odd size
 
-// A dense or paged token tensor as bytes (params.h BlockTable; strides in bytes).
-struct RowBytes {
-  char* data;  // [batch, heads, tokens, head_dim]
-  int64_t batch_stride;
-  int64_t head_stride;
-  int64_t token_stride;
-  const int32_t* blocks;  // [batch, table_stride] or null (dense)
-  int64_t table_stride;
-  int64_t block_size;
-  int64_t block_stride;
-
-  __device__ __forceinline__ char* row(int64_t b, int64_t h, int64_t t) const {
-    if (blocks == nullptr) return data + b * batch_stride + h * head_stride + t * token_stride;
-    const int64_t block = __ldg(blocks + b * table_stride + t / block_size);
-    return data + block * block_stride + (t % block_size) * token_stride + h * head_stride;
-  }
-};
-
 struct CompactArgs {
-  RowBytes k;                // in/out [batch, heads, length, head_dim]
-  RowBytes v;                // in/out [batch, heads, length, head_dim]
+  MutableTokens k;           // in/out [batch, heads, length, head_dim], dense or paged
+  MutableTokens v;           // in/out [batch, heads, length, head_dim], dense or paged
+  int64_t element_size;      // bytes
   const int32_t* keep_idx;   // [rows, budget]
   int32_t* new_seq_lens;     // out [batch], or null
   int64_t rows;              // batch * heads
@@ -64,6 +47,10 @@ __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
   const int u = static_cast<int>(thread % a.vecs_per_row);
   const int64_t b = row / a.heads, h = row % a.heads;
   const int32_t* idx = a.keep_idx + row * a.budget;
+  // Vector u of token t of row (b, h) in x.
+  const auto at = [&](const MutableTokens& x, int64_t t) {
+    return reinterpret_cast<Vec*>(static_cast<char*>(x.data) + token_offset(x, b, h, t) * a.element_size) + u;
+  };
   int64_t kept = 0;
   for (int64_t t0 = 0; t0 < a.budget; t0 += kUnroll) {
     int64_t src[kUnroll];
@@ -77,28 +64,21 @@ __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
       done = src[j] < 0;
       kept += done ? 0 : 1;
       if (!done && src[j] != t) {
-        k_val[j] = reinterpret_cast<const Vec*>(a.k.row(b, h, src[j]))[u];
-        v_val[j] = reinterpret_cast<const Vec*>(a.v.row(b, h, src[j]))[u];
+        k_val[j] = *at(a.k, src[j]);
+        v_val[j] = *at(a.v, src[j]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int64_t t = t0 + j;
       if (src[j] >= 0 && src[j] != t) {
-        reinterpret_cast<Vec*>(a.k.row(b, h, t))[u] = k_val[j];
-        reinterpret_cast<Vec*>(a.v.row(b, h, t))[u] = v_val[j];
+        *at(a.k, t) = k_val[j];
+        *at(a.v, t) = v_val[j];
       }
     }
     if (done) break;
   }
   if (a.new_seq_lens != nullptr && h == 0 && u == 0) a.new_seq_lens[b] = static_cast<int32_t>(kept);
-}
-
-RowBytes as_bytes(const MutableTokens& x, int64_t element_size) {
-  return {static_cast<char*>(x.data),  x.batch_stride * element_size,
-          x.head_stride * element_size, x.token_stride * element_size,
-          x.paged.blocks,               x.paged.table_stride,
-          x.paged.block_size,           x.paged.block_stride * element_size};
 }
 
 // Widest vector (bytes) dividing the row size, both base addresses and every stride.
@@ -139,8 +119,8 @@ Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
   if (vecs_per_row > INT32_MAX) return Status::kUnsupportedHeadDim;
   const int64_t blocks = ceil_div<int64_t>(rows * vecs_per_row, kBlock);
   if (blocks > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
-  const CompactArgs args{as_bytes(p.k, element_size), as_bytes(p.v, element_size), p.keep_idx,
-                         p.new_seq_lens, rows, p.heads, p.budget, static_cast<int>(vecs_per_row)};
+  const CompactArgs args{p.k, p.v, element_size, p.keep_idx, p.new_seq_lens, rows, p.heads,
+                         p.budget, static_cast<int>(vecs_per_row)};
   switch (vec_bytes) {
     case 16: launch<16>(args, static_cast<unsigned>(blocks), stream); break;
     case 8: launch<8>(args, static_cast<unsigned>(blocks), stream); break;

@@ -61,6 +61,8 @@ struct KernelArgs {
 };
 
 // Key `key` of (batch row b, kv_head): head_dim elements, dense or through the block table.
+// params.h's token_offset, with the 32-bit block index arithmetic of the key loop (a 64-bit
+// division per key fragment would cost the tensor-core kernel dearly).
 template <typename T>
 __device__ __forceinline__ const T* window_scores_key(const KernelArgs& a, int b, int kv_head, int key) {
   const T* k = static_cast<const T*>(a.k) + kv_head * a.k_head_stride;

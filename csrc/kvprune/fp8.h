@@ -9,11 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define KVPRUNE_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KVPRUNE_HOST_DEVICE inline
-#endif
+#include "kvprune/host_device.h"
 
 namespace kvprune {
 

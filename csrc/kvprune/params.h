@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "kvprune/dtype.h"
+#include "kvprune/host_device.h"
 
 namespace kvprune {
 
@@ -62,9 +63,10 @@ struct MutableTokens {
   BlockTable paged;
 };
 
-// Element offset of (b, h, t, 0) in a dense or paged token tensor.
+// Element offset of (b, h, t, 0) in a dense or paged token tensor (host, or device code
+// with the tensor's memory).
 template <class Tokens>
-inline int64_t token_offset(const Tokens& x, int64_t b, int64_t h, int64_t t) {
+KVPRUNE_HOST_DEVICE int64_t token_offset(const Tokens& x, int64_t b, int64_t h, int64_t t) {
   if (x.paged.blocks == nullptr) return b * x.batch_stride + h * x.head_stride + t * x.token_stride;
   const int64_t block = x.paged.blocks[b * x.paged.table_stride + t / x.paged.block_size];
   return block * x.paged.block_stride + (t % x.paged.block_size) * x.token_stride + h * x.head_stride;
@@ -72,7 +74,7 @@ inline int64_t token_offset(const Tokens& x, int64_t b, int64_t h, int64_t t) {
 
 // Tokens t, t+1, ... of row b that follow token t at token_stride (to its block's end).
 template <class Tokens>
-inline int64_t contiguous_tokens(const Tokens& x, int64_t t) {
+KVPRUNE_HOST_DEVICE int64_t contiguous_tokens(const Tokens& x, int64_t t) {
   if (x.paged.blocks == nullptr) return INT64_MAX;
   return x.paged.block_size - t % x.paged.block_size;
 }
