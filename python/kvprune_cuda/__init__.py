@@ -36,12 +36,12 @@ __version__ = build_info()["version"]
 
 
 def __getattr__(name):
-    # ``kp.hf`` (Hugging Face integration) is imported on first use only: it needs
-    # ``transformers``, which the core package does not depend on.
-    if name == "hf":
+    # ``kp.hf`` (Hugging Face) and ``kp.vllm`` are imported on first use only: they need
+    # ``transformers`` / ``vllm``, which the core package does not depend on.
+    if name in ("hf", "vllm"):
         import importlib
 
-        return importlib.import_module("kvprune_cuda.hf")
+        return importlib.import_module(f"kvprune_cuda.{name}")
     raise AttributeError(f"module 'kvprune_cuda' has no attribute {name!r}")
 
 __all__ = [

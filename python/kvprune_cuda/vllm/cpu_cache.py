@@ -1,0 +1,55 @@
+"""In-place compaction of one request's tokens in vLLM's CPU KV cache, with kp.paged.compact.
+
+vLLM's CPU attention (backend CPU_ATTN, ISA "vec"/"vec16") keeps one layer's cache as
+``[num_blocks, Hkv, block_size, 2 * D]``; inside each (block, KV head) the first
+``block_size * D`` elements are K stored dim-major (element (t, d) at ``d * block_size + t``)
+and the next ``block_size * D`` are V stored token-major (``t * D + d``). K is therefore
+not a pool of D-vectors, but each KV head's K (and V) is a pool of D one-element "heads":
+pseudo-head d of token t sits at ``d * block_size + t`` (K) or ``t * D + d`` (V), both
+affine in (d, t), so :func:`kvprune_cuda.paged.compact` moves it with layout "HND" and the
+head's kept indices repeated over the D pseudo-heads. (ISA "amx" interleaves token pairs
+in V, which no strided view describes; :mod:`kvprune_cuda.vllm.worker` selects "vec".)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprune_cuda import paged
+
+
+def head_views(kv_cache: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of KV head ``head`` as ``[num_blocks, D, block_size, 1]`` pools (layout HND).
+
+    Args:
+        kv_cache: one layer's vLLM CPU cache ``[num_blocks, Hkv, block_size, 2 * D]``,
+            contiguous.
+    """
+    if kv_cache.dim() != 4 or not kv_cache.is_contiguous() or kv_cache.shape[3] % 2:
+        raise ValueError("kv_cache: expected vLLM's contiguous CPU cache [num_blocks, Hkv, "
+                         f"block_size, 2 * D], got shape {tuple(kv_cache.shape)}")
+    num_blocks, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    block = hkv * bs * two_d
+    base = kv_cache.storage_offset() + head * bs * two_d
+    k = kv_cache.as_strided((num_blocks, d, bs, 1), (block, bs, 1, 1), base)
+    v = kv_cache.as_strided((num_blocks, d, bs, 1), (block, 1, d, 1), base + bs * d)
+    return k, v
+
+
+def compact_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
+                    idx: torch.Tensor) -> None:
+    """Moves token ``idx[0, h, t]`` of every KV head h to position t of the request, in place.
+
+    Args:
+        kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc).
+        block_ids: int32 [1, n_blocks], the request's blocks in token order.
+        num_tokens: tokens the request holds now.
+        idx: int32 [1, Hkv, kept], ascending kept positions (kp.select_keep's output).
+    """
+    hkv, d = kv_cache.shape[1], kv_cache.shape[3] // 2
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    for h in range(hkv):
+        k, v = head_views(kv_cache, h)
+        per_dim = idx[:, h : h + 1].expand(1, d, idx.shape[2]).contiguous()
+        paged.compact(k, v, block_ids, seq_lens, per_dim, layout="HND")

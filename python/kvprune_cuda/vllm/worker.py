@@ -1,0 +1,163 @@
+"""vLLM worker side: compress each request's cache right after its prefill, in place.
+
+:class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
+
+1. ``_prepare_inputs`` (wrapped): notes the rows whose step computes their whole prompt
+   (:meth:`Policy.compresses`, the scheduler's rule), and, for requests compressed in an
+   earlier step, makes attention see the compacted cache: their ``seq_lens`` shrink by
+   the evicted count ``e`` and the slot of a token at position p is computed for
+   position ``p - e``. Positions themselves (RoPE) stay the original ones.
+2. a forward hook on every decoder ``Attention`` layer: after the layer's prefill
+   attention (which read the full prompt), kvprune picks each noted row's kept tokens from
+   that layer's post-RoPE queries and keys (``kp.window_scores`` / ``kp.pool_scores`` /
+   ``kp.select_keep``; or sinks + recent) and compacts them to the row's first slots in
+   vLLM's cache (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`).
+3. ``execute_model`` (wrapped): after the step, drops the freed blocks from the
+   compressed rows' block tables; the scheduler returns the same blocks to its pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
+
+from kvprune_cuda.vllm._policy import Policy
+from kvprune_cuda.vllm._select import kept_indices
+from kvprune_cuda.vllm.cpu_cache import compact_request
+
+STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
+
+
+@dataclass
+class _Row:
+    req_id: str
+    row: int        # row of the persistent batch during this step
+    prompt_len: int
+    kept: int
+
+
+class RunnerHooks:
+    """The three hooks of the module doc on one vLLM (CPU) model runner."""
+
+    def __init__(self, runner, policy: Policy) -> None:
+        self.runner, self.policy = runner, policy
+        self.block_size = runner.cache_config.block_size
+        self.evicted: dict[str, int] = {}  # req_id -> tokens evicted from its cache
+        self.plan: list[_Row] = []         # rows compressed by the step now running
+        self.compactions = 0               # (layer, request) compactions done
+        self._select_strided_isa()
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+        runner._prepare_inputs = lambda out, *a, **kw: self._prepare(prepare, out, *a, **kw)
+        runner.execute_model = lambda out, *a, **kw: self._execute(execute, out, *a, **kw)
+        self.layers = [m for m in runner.get_model().modules()
+                       if isinstance(m, Attention) and m.attn_type == "decoder"]
+        for m in self.layers:
+            m.register_forward_hook(self._after_attention)
+
+    def _select_strided_isa(self) -> None:
+        """Makes CPU_ATTN store K/V in the "vec" layout (its fallback ISA, used wherever AMX
+        or bf16 is absent) before anything is cached."""
+        for groups in self.runner.attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if not isinstance(builder, CPUAttentionMetadataBuilder):
+                        raise NotImplementedError(
+                            f"kvprune_cuda.vllm: attention backend {type(builder).__name__} "
+                            "is not supported (CPU_ATTN only)")
+                    if builder.isa not in STRIDED_ISAS:
+                        builder.isa = "vec"
+                        builder._set_isa_to_layers(builder.layer_names)
+
+    # ------------------------------------------------------------------ hooks
+    def _prepare(self, prepare, scheduler_output, *args, **kwargs):
+        for req_id in scheduler_output.finished_req_ids:
+            self.evicted.pop(req_id, None)
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            self.evicted.pop(req_id, None)  # recomputed from scratch after a preemption
+        batch = self.runner.input_batch
+        num_reqs = batch.num_reqs
+        self.plan = []
+        for row, req_id in enumerate(batch.req_ids[:num_reqs]):
+            kept = self.policy.compresses(int(batch.num_computed_tokens_cpu[row]),
+                                          scheduler_output.num_scheduled_tokens[req_id],
+                                          int(batch.num_prompt_tokens[row]))
+            if kept is not None:
+                self.plan.append(_Row(req_id, row, int(batch.num_prompt_tokens[row]), kept))
+        result = prepare(scheduler_output, *args, **kwargs)
+        shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
+        if any(shift):
+            self._shift_to_compacted(num_reqs, torch.tensor(shift, dtype=torch.int32))
+        return result
+
+    def _shift_to_compacted(self, num_reqs: int, shift: torch.Tensor) -> None:
+        """seq_lens -= e and slots of positions p - e, for rows with e evicted tokens."""
+        r = self.runner
+        qsl = r.query_start_loc.gpu[: num_reqs + 1]
+        per_token = torch.repeat_interleave(shift, (qsl[1:] - qsl[:-1]).to(torch.int64))
+        r.seq_lens[:num_reqs] -= shift.to(r.seq_lens.dtype)
+        positions = r.positions[: per_token.shape[0]] - per_token.to(r.positions.dtype)
+        r.input_batch.block_table.compute_slot_mapping(num_reqs, qsl, positions)
+
+    def _after_attention(self, module, args, output):
+        if not self.plan:
+            return output
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(module.layer_name) if isinstance(meta, dict) else None
+        if meta is None:
+            return output
+        if getattr(module, "isa", "vec") not in STRIDED_ISAS:
+            raise RuntimeError(f"kvprune_cuda.vllm: layer {module.layer_name} caches with ISA "
+                               f"{module.isa!r}, which compaction cannot address")
+        query = args[0].view(-1, module.num_heads, module.head_size)
+        key = args[1].view(-1, module.num_kv_heads, module.head_size)
+        qsl = meta.query_start_loc.tolist()
+        for row in self.plan:
+            start, end = qsl[row.row], qsl[row.row + 1]
+            idx = kept_indices(self.policy, query[start:end], key[start:end], row.kept,
+                               module.impl.scale)
+            n_blocks = -(-row.prompt_len // self.block_size)
+            blocks = meta.block_table[row.row : row.row + 1, :n_blocks].to(torch.int32)
+            compact_request(module.kv_cache, blocks.contiguous(), row.prompt_len, idx)
+            self.compactions += 1
+        return output
+
+    def _execute(self, execute, scheduler_output, *args, **kwargs):
+        try:
+            return execute(scheduler_output, *args, **kwargs)
+        finally:
+            plan, self.plan = self.plan, []
+            self._truncate(plan)
+
+    def _truncate(self, plan: list[_Row]) -> None:
+        """Drops the blocks past each compressed row's kept tokens from its block tables."""
+        r = self.runner
+        for row in plan:
+            keep = -(-row.kept // self.block_size)
+            state = r.requests.get(row.req_id)
+            if state is not None:
+                state.block_ids = tuple(ids[:keep] for ids in state.block_ids)
+            index = r.input_batch.req_id_to_index.get(row.req_id)
+            if index is not None:
+                for table in r.input_batch.block_table.block_tables:
+                    n = int(table.num_blocks_per_row[index])
+                    table.block_table.np[index, keep:n] = 0
+                    table.num_blocks_per_row[index] = min(n, keep)
+            self.evicted[row.req_id] = row.prompt_len - row.kept
+
+
+class CPUWorker(_VllmCPUWorker):
+    """vLLM's CPU worker with :class:`RunnerHooks` (``parallel_config.worker_cls``)."""
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)
+        self.kvprune = RunnerHooks(self.model_runner, Policy.from_vllm_config(self.vllm_config))
+
+    def kvprune_stats(self) -> dict:
+        """Compactions done and requests held compressed (``llm.collective_rpc``)."""
+        return {"compactions": self.kvprune.compactions,
+                "evicted": dict(self.kvprune.evicted)}

@@ -1,0 +1,52 @@
+"""kp.vllm.engine_args and the shared compression rule (no vLLM needed; the engine itself
+is tested by tests/vllm_engine in its own environment)."""
+
+import pytest
+
+import kvprune_cuda as kp
+from kvprune_cuda.vllm import Policy
+
+
+def test_engine_args_wire_the_hooks_and_the_policy():
+    args = kp.vllm.engine_args("snapkv", 0.1, n_sink=2, window=16, kernel_size=5)
+    assert args["scheduler_cls"] == "kvprune_cuda.vllm.scheduler.Scheduler"
+    assert args["worker_cls"] == "kvprune_cuda.vllm.worker.CPUWorker"
+    assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
+    cfg = args["additional_config"]["kvprune"]
+    assert Policy(**cfg) == Policy("snapkv", 0.1, 2, 16, 5)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"policy": "h2o"}, "policy"), ({"budget": 0.0}, "budget"), ({"budget": 1.5}, "budget"),
+    ({"budget": 0}, "budget"), ({"n_sink": -1}, "n_sink"), ({"window": 0}, "window"),
+    ({"kernel_size": 2.5}, "kernel_size"), ({"pool": "min"}, "pool"), ({"gqa": "avg"}, "gqa"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        kp.vllm.engine_args(**kwargs)
+
+
+def test_kept_tokens_follow_kp_hf():
+    p = Policy("snapkv", 0.2)  # n_sink 4 + window 32 = 36 at least
+    assert p.kept_tokens(300) == 60
+    assert p.kept_tokens(100) == 36
+    assert p.kept_tokens(36) is None and p.kept_tokens(20) is None  # nothing to evict
+    assert Policy("snapkv", 50).kept_tokens(300) == 50
+    assert Policy("full").kept_tokens(300) is None
+    assert Policy("streaming", 0.2, window=0).kept_tokens(10) == 5  # n_sink + one recent
+
+
+def test_only_a_whole_prompt_step_compresses():
+    p = Policy("snapkv", 0.2)
+    assert p.compresses(0, 300, 300) == 60
+    assert p.compresses(0, 256, 300) is None      # a chunk of the prompt
+    assert p.compresses(256, 44, 300) is None     # its last chunk
+    assert p.compresses(0, 305, 300) is None      # recomputing prompt + outputs (preemption)
+
+
+def test_missing_config_is_explained():
+    class Cfg:
+        additional_config = {}
+
+    with pytest.raises(ValueError, match="additional_config"):
+        Policy.from_vllm_config(Cfg())
