@@ -127,10 +127,11 @@ def plot(results, path):
 
 
 def table(results, meta):
-    dense = next((r for r in results if r["setting"] == "dense"), results[0])
+    dense = next((r for r in results if r["setting"] == "dense"), None)
+    ratio = lambda a, b: "-" if dense is None else f"{a / b:.2f}"  # noqa: E731
     lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']}; commit {meta['commit']}",
              f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
-             f"generated; pool {dense['pool_blocks']} blocks of {BLOCK} "
+             f"generated; pool {results[0]['pool_blocks']} blocks of {BLOCK} "
              f"(= {meta['pool_requests']} dense requests)", "",
              "| setting | peak running | mean running | x dense (peak) | gen tok/s | "
              "x dense | TTFT mean / median (s) | makespan (s) | blocks freed | pass key |",
@@ -138,8 +139,9 @@ def table(results, meta):
     for r in results:
         lines.append(
             f"| {r['setting']} | {r['peak_running']} | {r['mean_running']:.1f} | "
-            f"{r['peak_running'] / dense['peak_running']:.2f} | {r['gen_tok_per_s']:.2f} | "
-            f"{r['gen_tok_per_s'] / dense['gen_tok_per_s']:.2f} | {r['ttft_mean_s']:.0f} / "
+            f"{ratio(r['peak_running'], dense and dense['peak_running'])} | "
+            f"{r['gen_tok_per_s']:.2f} | "
+            f"{ratio(r['gen_tok_per_s'], dense and dense['gen_tok_per_s'])} | {r['ttft_mean_s']:.0f} / "
             f"{r['ttft_median_s']:.0f} | {r['makespan_s']:.0f} | {r['freed_blocks'] or 0} | "
             f"{r['hits']}/{r['n']} |")
     return "\n".join(lines)
@@ -156,6 +158,8 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--plain", action="store_true", help="also run vLLM without kvprune")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the dense run (the x dense columns then read '-')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "vllm_concurrency.json")
     args = ap.parse_args()
@@ -173,7 +177,8 @@ def main() -> None:
     reqs = make_requests(tok, args.requests, args.tokens, args.seed)
     settings = ([("vllm", {"enable_prefix_caching": False, "enable_chunked_prefill": False})]
                 if args.plain else [])
-    settings += [("dense", kp.vllm.engine_args("full"))]
+    if not args.no_dense:
+        settings += [("dense", kp.vllm.engine_args("full"))]
     settings += [(f"snapkv {int(b * 100)} %", kp.vllm.engine_args("snapkv", b))
                  for b in args.budgets]
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
