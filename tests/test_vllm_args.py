@@ -50,3 +50,10 @@ def test_missing_config_is_explained():
 
     with pytest.raises(ValueError, match="additional_config"):
         Policy.from_vllm_config(Cfg())
+
+
+def test_unsupported_vllm_versions_are_refused():
+    kp.vllm.check_vllm_version("0.32.0")
+    kp.vllm.check_vllm_version("0.32.0+cpu")
+    with pytest.raises(RuntimeError, match="0.33.1"):
+        kp.vllm.check_vllm_version("0.33.1")

@@ -34,6 +34,15 @@ from kvprune_cuda.vllm._policy import CONFIG_KEY, POLICIES, Policy
 SUPPORTED_VLLM = ("0.32.0",)
 
 
+def check_vllm_version(version: str) -> None:
+    """Raises RuntimeError unless ``version`` (``vllm.__version__``) is supported: the hooks
+    reach into vLLM internals (docs/vllm_upstream.md) that change between releases."""
+    release = version.split("+", 1)[0]
+    if release not in SUPPORTED_VLLM:
+        raise RuntimeError(f"kvprune_cuda.vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; "
+                           f"this is vLLM {version}")
+
+
 def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
                 window: int = 32, kernel_size: int = 7, pool: str = "max",
                 gqa: str = "mean") -> dict:
@@ -50,4 +59,4 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
     }
 
 
-__all__ = ["engine_args", "Policy", "POLICIES", "SUPPORTED_VLLM"]
+__all__ = ["engine_args", "check_vllm_version", "Policy", "POLICIES", "SUPPORTED_VLLM"]

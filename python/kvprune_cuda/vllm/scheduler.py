@@ -16,9 +16,11 @@ outputs, which is not a prompt-only step, so it stays uncompressed).
 
 from __future__ import annotations
 
+import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.request import RequestStatus
 
+from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm._policy import Policy
 
 
@@ -26,6 +28,7 @@ class Scheduler(_VllmScheduler):
     """vLLM's scheduler that frees the blocks compression empties (``scheduler_cls``)."""
 
     def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version(vllm.__version__)
         super().__init__(*args, **kwargs)
         self.kvprune_policy = Policy.from_vllm_config(self.vllm_config)
         self.kvprune_evicted: dict[str, int] = {}   # req_id -> tokens evicted, while running

@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import vllm
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
+from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm._policy import Policy
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import compact_request
@@ -154,6 +156,7 @@ class CPUWorker(_VllmCPUWorker):
     """vLLM's CPU worker with :class:`RunnerHooks` (``parallel_config.worker_cls``)."""
 
     def initialize_from_config(self, kv_cache_config) -> None:
+        check_vllm_version(vllm.__version__)
         super().initialize_from_config(kv_cache_config)
         self.kvprune = RunnerHooks(self.model_runner, Policy.from_vllm_config(self.vllm_config))
 
