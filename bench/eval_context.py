@@ -7,7 +7,8 @@ setting where SnapKV's voting window holds no question. Three parts:
 
 1. Table: per trial, every policy x budget (fractions of the context's tokens per layer) on the
    very same token ids: ``kp.hf`` full, streaming, snapkv, h2o, kvzip (uniform per layer) and
-   kvzip-global (``kp.layer_budgets``), and kvpress 0.5.5's ``SnapKVPress`` (its ``compress`` on
+   kvzip-global (``kp.layer_budgets``), kvzip-head (``kp.head_budgets``: layers and KV heads
+   ranked together, a ragged per-head cache), and kvpress 0.5.5's ``SnapKVPress`` (its ``compress`` on
    the recorded layer inputs) and ``KVzipPress`` (its own context manager: prefill, its
    reconstruction, its ``compress_post``; default = global over layers and heads,
    ``-layer`` = ``layerwise=True``). Cost control: the context is prefilled and kvzip-scored
@@ -47,20 +48,44 @@ import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import hf, hf_context  # noqa: E402
 
 OURS = [("streaming", "layer"), ("snapkv", "layer"), ("h2o", "layer"), ("kvzip", "layer"),
-        ("kvzip", "global")]
+        ("kvzip", "global"), ("kvzip", "head")]
 COLORS = ("red", "green", "blue")
-MULTI_METHODS = [("full", "layer"), ("kvzip", "layer"), ("kvzip", "global"), ("snapkv", "layer"),
-                 ("h2o", "layer")]
+MULTI_METHODS = [("full", "layer"), ("kvzip", "layer"), ("kvzip", "global"), ("kvzip", "head"),
+                 ("snapkv", "layer"), ("h2o", "layer")]
 
 
 def selected(methods, args):
     """``methods`` ((policy, scope) pairs) that ``--policies`` names; "full" always."""
-    return [m for m in methods if m[0] == "full" or name_of(*m) in args.policies]
+    return [m for m in methods
+            if m[0] == "full" or name_of(*m, softmax=args.kvzip_softmax) in args.policies]
 
 
-def name_of(policy, scope, frac=None):
-    base = policy + ("-global" if scope == "global" else "")
+def name_of(policy, scope, frac=None, softmax="chunk"):
+    """E.g. "kvzip-head@10%"; kvzip scored with softmax "all" is "kvzip-all..."."""
+    base = policy + ("-all" if policy == "kvzip" and softmax == "all" else "")
+    base += "" if scope == "layer" else f"-{scope}"
     return base if frac is None else f"{base}@{int(round(frac * 100))}%"
+
+
+def _older_names(part: dict) -> dict:
+    """Files written before ``--kvzip-softmax`` scored kvzip with softmax "all": their kvzip
+    configs get that name."""
+    if "kvzip_softmax" in part["args"]:
+        return part
+    rename = lambda d: {("kvzip-all" + k[5:] if k.startswith("kvzip") else k): v  # noqa: E731
+                        for k, v in d.items()}
+    for r in part["records"]:
+        r["results"] = rename(r["results"])
+    for m in part.get("multi") or []:
+        m["methods"] = rename(m["methods"])
+    return part
+
+
+def timed_scope(args):
+    """The budget scope of the kvzip that --time-trials times: the first of head, global, layer
+    that --policies runs (None: none)."""
+    return next((sc for sc in ("head", "global", "layer")
+                 if name_of("kvzip", sc, None, args.kvzip_softmax) in args.policies), None)
 
 
 def ratio_for(kb, n):
@@ -127,14 +152,15 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         if ours and any(p == "kvzip" for p, _ in selected(OURS, args)):
             prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
             kvc.score_reconstruction(lambda: hf_context._reconstruct(
-                kvc, cache, prompt.chunks(ctx, args.chunk_size), n), gqa="max")
+                kvc, cache, prompt, ctx, args.chunk_size), gqa="max", softmax=args.kvzip_softmax)
     snap, kv = kvc.snapshot(), pk.layers_of(cache, n_layers)
     del cache
     res, extra = {}, {}
     attn = {m.layer_idx: m for m in kvc.attn}
 
-    def held(c):
-        return [hf.cache_kv(c, i)[0].shape[2] for i in range(n_layers)], hf.kv_bytes(c)
+    def held(c):  # tokens per layer (per KV head and row, averaged) and bytes
+        return ([hf_context._mean(hf_context._held(c.layers[i]).tolist()) for i in range(n_layers)],
+                hf.kv_bytes(c))
 
     def as_full_cache():  # the uncompressed context, hooks told every slot is valid
         kvc.restore(snap)
@@ -158,7 +184,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
             kvc.window = args.kvzip_window if pol == "kvzip" else args.window
             hf_context._compress(kvc, c, pol, kb, scope, n)
             kvc.window = args.window
-            record(name_of(pol, scope, frac), c)
+            record(name_of(pol, scope, frac, args.kvzip_softmax), c)
         if kvz is not None and "kvpress-snapkv" in args.policies:
             c = as_full_cache()
             pk.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
@@ -203,7 +229,9 @@ def time_ours(model, tok, ctx, qst, key, args):
     for name, fn in [("plain_prefill", plain),
                      ("kvzip", lambda: kp.hf.compress_context(model, ctx, "kvzip", 0.2, tokenizer=tok,
                                                               n_sink=args.n_sink, window=args.kvzip_window,
-                                                              chunk_size=args.chunk_size)),
+                                                              chunk_size=args.chunk_size,
+                                                              budget_scope=timed_scope(args),
+                                                              softmax=args.kvzip_softmax)),
                      ("snapkv", lambda: kp.hf.compress_context(model, ctx, "snapkv", 0.2,
                                                                n_sink=args.n_sink, window=args.window,
                                                                kernel_size=args.kernel_size))]:
@@ -250,7 +278,7 @@ def multi_question(model, tok, novels, rng, args):
         kvc = kp.hf.compress_context(model, ctx, pol, frac,
                                      budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
                                      window=args.kvzip_window if pol == "kvzip" else args.window,
-                                     kernel_size=args.kernel_size,
+                                     kernel_size=args.kernel_size, softmax=args.kvzip_softmax,
                                      chunk_size=args.chunk_size)
         answers = {}
         for c in COLORS:
@@ -258,7 +286,7 @@ def multi_question(model, tok, novels, rng, args):
                              pad_token_id=tok.pad_token_id)
             text = tok.decode(g[0, qs[c].shape[1]:])
             answers[c] = {"text": text, "hit": keys[c] in text}
-        out["methods"][name_of(pol, scope, None if pol == "full" else frac)] = {
+        out["methods"][name_of(pol, scope, None if pol == "full" else frac, args.kvzip_softmax)] = {
             "answers": answers, "tokens_per_layer": kvc.tokens_per_layer, "kv_bytes": kvc.nbytes,
             "compress_seconds": kvc.compress_seconds, "prefill_seconds": kvc.prefill_seconds}
     return out
@@ -340,6 +368,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pk.add_trial_args(ap)
     ap.add_argument("--chunk-size", type=int, default=2048)
+    ap.add_argument("--kvzip-softmax", choices=hf.SOFTMAX, default="chunk",
+                    help="keys kvzip's reconstruction softmax covers (compress_context's softmax=)")
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
@@ -359,7 +389,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "context_results.json")
     args = ap.parse_args()
     if args.table:
-        print(table(merge([json.loads(f.read_text()) for f in args.table])))
+        print(table(merge([_older_names(json.loads(f.read_text())) for f in args.table])))
         return
 
     from tqdm import tqdm
@@ -395,11 +425,13 @@ def main() -> None:
         rec_j = {"trial": j, "tokens": n, "context_tokens": ctx.shape[1],
                  "question_tokens": qst.shape[1], "depth": depth, "key": key, "novel": novel,
                  "results": res, "timing": None}
-        if j < args.time_trials and "kvzip" in args.policies:
+        if j < args.time_trials and timed_scope(args):
             t = dict(extra)
             if args.part != "kvpress-kvzip":
                 t.update(time_ours(model, tok, ctx, qst, key, args))
-                a, b = t.pop("kvzip_generate_toks"), res["kvzip@20%"]["toks"]
+                t["kvzip_scope"] = timed_scope(args)
+                a = t.pop("kvzip_generate_toks")
+                b = res[name_of("kvzip", timed_scope(args), 0.2, args.kvzip_softmax)]["toks"]
                 t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
             rec_j["timing"] = t
             tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
@@ -411,7 +443,7 @@ def main() -> None:
         for c, r in res.items():
             hits.setdefault(c, []).append(r["hit"])
         bar.set_postfix({c: f"{sum(hits[c])}/{len(hits[c])}" for c in
-                         ("full", "kvzip@20%", "kvzip@10%", "snapkv@20%", "kvpress-kvzip@20%") if c in hits})
+                         ("full", "kvzip-head@10%", "kvzip-global@10%", "kvpress-kvzip@10%") if c in hits})
         args.out.write_text(json.dumps(data, indent=1))
     for _ in tqdm(range(args.multi_trials if args.part != "kvpress-kvzip" else 0),
                   desc="three questions", unit="context"):

@@ -7,6 +7,7 @@ The references are independent of hf.py / hf_context.py: eager attention weights
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -46,29 +47,40 @@ def _copy(cache):
     return out
 
 
-def _kvzip_reference(model, ctx, chunks, gqa="max", context_only=False):
+def _kvzip_reference(model, ctx, prompt, chunk_size, gqa="max", softmax="chunk",
+                     context_only=False):
     """The full context cache, the eager calls of its prefill and per layer the kvzip score
     fp32 [B, Hkv, n]: max over chunks, over the chunk's queries and over the KV group's query
-    heads (``gqa``) of the eager softmax weight of each context key. Every chunk runs on a fresh
-    copy of the full context cache, so it sees the context and its own tokens only.
-    ``context_only``: renormalise the weights over the context keys (not kvzip: a foil)."""
+    heads (``gqa``) of each context key's eager softmax weight, renormalised over the keys
+    ``softmax`` names ("all": as the eager weights are; "chunk": the first SINKS positions
+    before the chunk, the chunk and the reconstruction tokens, only the chunk's keys scored).
+    Every chunk runs on a fresh copy of the full context cache, so it sees the context and its
+    own tokens only. ``context_only``: renormalise over the context keys (not kvzip: a foil)."""
     n, b = ctx.shape[1], ctx.shape[0]
     full = transformers.DynamicCache()
     with _eager_capture(model) as prefill, torch.no_grad():
         model(input_ids=ctx, past_key_values=full, use_cache=True)
-    scores = [None] * N_LAYERS
-    for ids in chunks:
+    scores = [torch.zeros(b, HKV, n, dtype=torch.float64) for _ in range(N_LAYERS)]
+    for ids, (start, end) in zip(prompt.chunks(ctx, chunk_size), prompt.spans(n, chunk_size),
+                                 strict=True):
         with _eager_capture(model) as calls, torch.no_grad():
             model(input_ids=ids, past_key_values=_copy(full), use_cache=True)
         for i in range(N_LAYERS):
             ((_, key, weights),) = calls[i]
             assert key.shape[2] == n + ids.shape[1]
+            if softmax == "chunk":
+                pos = torch.arange(key.shape[2])
+                kept = (pos < min(SINKS, start)) | ((pos >= start) & (pos < end)) | (pos >= n)
+                weights = weights * kept
+                weights = weights / weights.sum(-1, keepdim=True)
             w = weights[..., :n]
             if context_only:
                 w = w / w.sum(-1, keepdim=True)
             per_head = w.amax(2).view(b, HKV, HQ // HKV, n)             # max over queries
             s = per_head.amax(2) if gqa == "max" else per_head.mean(2)  # over the group
-            scores[i] = s if scores[i] is None else torch.maximum(scores[i], s)
+            if softmax == "chunk":
+                s[..., :start], s[..., end:] = 0, 0
+            scores[i] = torch.maximum(scores[i], s)
     return full, prefill, [s.float() for s in scores]
 
 
@@ -108,22 +120,25 @@ def _recording(fold, taken):
     return wrapped
 
 
+@pytest.mark.parametrize("softmax", ["chunk", "all"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("gqa", ["max", "mean"])
-def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, monkeypatch):
+def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softmax, monkeypatch):
     """KVCompressor.score_reconstruction folds the max attention probability of every
-    reconstruction query (softmax over context and reconstruction keys) into each context key.
-    With SDPA the lse comes from the model's own attention call (``_hf_lse``, one pass of
-    kp.window_scores), with eager attention kp.window_scores computes it (two passes)."""
+    reconstruction query into each context key, the softmax over the sinks, the chunk and the
+    reconstruction keys ("chunk") or over every key the query sees ("all"). With SDPA and
+    "all" the lse comes from the model's own attention call (``_hf_lse``, one pass of
+    kp.window_scores), else kp.window_scores computes it (two passes)."""
     ctx = _ids(gen, 1, N)
-    chunks = PROMPT.chunks(ctx, CHUNK)
-    assert len(chunks) == 3
-    full, _, want = _kvzip_reference(model, ctx, chunks, gqa)
+    chunks, spans = PROMPT.chunks(ctx, CHUNK), PROMPT.spans(N, CHUNK)
+    assert len(chunks) == 3 and spans == [(0, 25), (25, 50), (50, 60)]
+    full, _, want = _kvzip_reference(model, ctx, PROMPT, CHUNK, gqa, softmax)
     comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W, gqa=gqa,
                            compress_on_prefill=False).attach()
     cache = transformers.DynamicCache()
     def forward_chunks():
-        for ids in chunks:
+        for ids, span in zip(chunks, spans):
+            comp.reconstruct_span = span
             with torch.no_grad():
                 model(input_ids=ids, past_key_values=cache, use_cache=True)
             cache.crop(N - cache.get_seq_length())  # negative: 5.24 refuses a length
@@ -136,26 +151,47 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, monkey
         taken = []
         monkeypatch.setattr(hf.KVCompressor, "_fold_reconstruction", _recording(
             hf.KVCompressor._fold_reconstruction, taken))
-        comp.score_reconstruction(forward_chunks)
+        comp.score_reconstruction(forward_chunks, softmax=softmax)
     finally:
         model.config._attn_implementation = saved
         comp.detach()
     assert len(taken) == N_LAYERS * len(chunks)
     assert all(t == (impl == "sdpa") for t in taken), taken  # lse from the model's attention
     assert comp.seen == N and not comp.compressed
-    _, _, foil = _kvzip_reference(model, ctx, chunks, gqa, context_only=True)
+    foils = [_kvzip_reference(model, ctx, PROMPT, CHUNK, gqa, "all" if softmax == "chunk"
+                              else "chunk")[2]]
+    if softmax == "all":
+        foils.append(_kvzip_reference(model, ctx, PROMPT, CHUNK, gqa, "all", context_only=True)[2])
     for i in range(N_LAYERS):
         got = comp.selection_scores(cache, i)
         assert got.shape == (1, HKV, N) and got.dtype == torch.float32
         torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(got, foil[i], rtol=1e-3, atol=1e-4)
+        for foil in foils:
+            assert not torch.allclose(got, foil[i], rtol=1e-3, atol=1e-4)
+
+
+def test_chunk_softmax_needs_the_span(model, gen):
+    ctx = _ids(gen, 1, N)
+    comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W,
+                           compress_on_prefill=False).attach()
+    cache = transformers.DynamicCache()
+    try:
+        with torch.no_grad():
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            with pytest.raises(RuntimeError, match="reconstruct_span"):
+                comp.score_reconstruction(lambda: model(input_ids=PROMPT.chunks(ctx, CHUNK)[0],
+                                                        past_key_values=cache, use_cache=True))
+            with pytest.raises(ValueError, match="softmax"):
+                comp.score_reconstruction(lambda: None, softmax="chunks")
+    finally:
+        comp.detach()
 
 
 @pytest.mark.parametrize("chunk_size,skip", [(25, 0), (25, 5), (7, 0), (2048, 0)])
 def test_kvzip_keeps_reference_selection(model, gen, chunk_size, skip):
     ctx = _ids(gen, 1, N)
     prompt = RepeatPrompt(PROMPT.first, PROMPT.next, PROMPT.suffix, skip=skip)
-    full, _, scores = _kvzip_reference(model, ctx, prompt.chunks(ctx, chunk_size))
+    full, _, scores = _kvzip_reference(model, ctx, prompt, chunk_size)
     with _eager_capture(model):
         kvc = _compress(model, ctx, "kvzip", chunk_size=chunk_size, repeat_prompt=prompt)
     assert kvc.tokens_per_layer == [BUDGET] * N_LAYERS
@@ -166,25 +202,74 @@ def test_kvzip_keeps_reference_selection(model, gen, chunk_size, skip):
                    for i in idx)
 
 
-@pytest.mark.parametrize("policy", ["kvzip", "snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["kvzip", "kvzip-all", "snapkv", "h2o"])
 def test_global_budget_follows_layer_budgets(model, gen, policy):
     ctx = _ids(gen, 1, N)
-    full, prefill, scores = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+    policy, softmax = ("kvzip", "all") if policy == "kvzip-all" else (policy, "chunk")
+    full, prefill, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK, softmax=softmax)
     if policy != "kvzip":
         scores = _policy_scores(policy, prefill)
     with _eager_capture(model):
-        kvc = _compress(model, ctx, policy, budget_scope="global")
+        kvc = _compress(model, ctx, policy, budget_scope="global", softmax=softmax)
     want = kp.layer_budgets(scores, BUDGET, n_sink=SINKS, window=W)
     assert kvc.tokens_per_layer == want
     assert sum(want) == N_LAYERS * BUDGET
-    if policy == "kvzip":
+    if softmax == "all":  # (chunk softmax happens to split this context evenly)
         assert len(set(want)) > 1  # the layers really get different budgets
     _assert_layers(kvc.cache(), full,
                    [ref.select_keep(s, k, n_sink=SINKS, window=W) for s, k in zip(scores, want)])
     # a fraction resolves against the context length first (0.4 * 60 = 24 tokens)
     with _eager_capture(model):
-        frac = _compress(model, ctx, policy, budget=0.4, budget_scope="global")
+        frac = _compress(model, ctx, policy, budget=0.4, budget_scope="global", softmax=softmax)
     assert frac.tokens_per_layer == want
+
+
+def _head_selection(scores):
+    """Per layer, the kept positions of every (row, KV head) under kp.head_budgets: nested
+    [B][Hkv] int64 1D (the reference's select_keep of that head's scores and count)."""
+    counts = kp.head_budgets(scores, BUDGET, n_sink=SINKS, window=W)
+    out = []
+    for s, c in zip(scores, counts):
+        b, hkv, _ = s.shape
+        out.append([[ref.select_keep(s[i:i + 1, h:h + 1], int(c[i, h]), n_sink=SINKS,
+                                     window=W)[0, 0].long() for h in range(hkv)]
+                    for i in range(b)])
+    return counts, out
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "snapkv", "h2o"])
+def test_head_budget_keeps_each_heads_own_count(model, gen, policy):
+    """budget_scope="head": kp.head_budgets' count per (layer, row, KV head), each head's top
+    positions by its own scores, packed without padding (the evicted tokens' memory freed)."""
+    rows = 2 if policy == "kvzip" else 1  # _policy_scores reads one row
+    ctx = _ids(gen, rows, N)
+    full, prefill, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
+    if policy != "kvzip":
+        scores = _policy_scores(policy, prefill)
+    counts, keep = _head_selection(scores)
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, policy, budget_scope="head")
+    assert kvc.tokens_per_head == counts.tolist()
+    if policy != "h2o":  # (h2o's sums happen to split this context evenly)
+        assert len({x for lay in kvc.tokens_per_head for row in lay for x in row}) > 2
+    size = next(model.parameters()).element_size()
+    assert kvc.bytes_per_layer == [2 * int(c.sum()) * D * size for c in counts]
+    assert kvc.nbytes == 2 * N_LAYERS * rows * HKV * BUDGET * D * size  # = the uniform budget's
+    cache = kvc.cache()
+    assert hf.kv_bytes(cache) == kvc.nbytes
+    for i in range(N_LAYERS):
+        lay = cache.layers[i]
+        padded_k, padded_v = lay.keys, lay.values
+        width = int(counts[i].max())
+        assert padded_k.shape == (rows, HKV, width, D) and lay.get_seq_length() == width
+        for b in range(rows):
+            for h in range(HKV):
+                idx, m = keep[i][b][h], int(counts[i, b, h])
+                fk, fv = hf.cache_kv(full, i)
+                assert torch.equal(padded_k[b, h, :m], fk[b, h, idx]), (i, b, h)
+                assert torch.equal(padded_v[b, h, :m], fv[b, h, idx]), (i, b, h)
+                assert not padded_k[b, h, m:].any() and not padded_v[b, h, m:].any()
+                assert lay.valid()[b, h].tolist() == [t < m for t in range(width)]
 
 
 # ---- generating from a compressed context ---------------------------------------------------
@@ -223,6 +308,105 @@ def _layer_state(kvc):
     return out
 
 
+@contextlib.contextmanager
+def _masked_eager(model, keep):
+    """Eager attention with every context key that ``keep[layer]`` (bool [B, Hkv, n]) drops
+    masked out per KV head; keys after the context stay visible (feed one token per forward).
+    The full cache then computes what a per-head compressed cache must. Independent of hf.py."""
+    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    eager = mod.eager_attention_forward
+
+    def masked(module, query, key, value, attention_mask, *args, **kwargs):
+        b, hq, q, length = *query.shape[:3], key.shape[2]
+        kept = keep[module.layer_idx]
+        allowed = torch.ones(b, hq, q, length, dtype=torch.bool)
+        allowed[..., :kept.shape[2]] = kept.repeat_interleave(hq // kept.shape[1], 1)[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill(
+            ~allowed, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, mask, *args, **kwargs)
+
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    mod.eager_attention_forward = masked
+    try:
+        yield
+    finally:
+        mod.eager_attention_forward = eager
+        model.config._attn_implementation = impl
+
+
+def test_head_budget_generate_equals_masked_full_cache(model, gen):
+    """Greedy answers from a per-head compressed context (2 rows, default SDPA) == the full
+    context cache with each head's evicted keys masked (eager), token by token."""
+    ctx, qst = _ids(gen, 2, N), _ids(gen, 2, 5)
+    full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
+    _, keep_idx = _head_selection(scores)
+    keep = []
+    for layer in keep_idx:
+        m = torch.zeros(2, HKV, N, dtype=torch.bool)
+        for b, row in enumerate(layer):
+            for h, idx in enumerate(row):
+                m[b, h, idx] = True
+        keep.append(m)
+    kvc = _compress(model, ctx, "kvzip", budget_scope="head")
+    out = kvc.generate(qst, **GEN)
+    want_logits, ids = [], qst
+    with _masked_eager(model, keep), torch.no_grad():
+        for t in range(qst.shape[1] + GEN["max_new_tokens"] - 1):
+            pos = torch.full((2, 1), N + t)
+            tok = ids[:, t:t + 1]
+            lg = model(input_ids=tok, past_key_values=full, use_cache=True, position_ids=pos,
+                       cache_position=pos[0]).logits[:, -1]
+            if t >= qst.shape[1] - 1:
+                want_logits.append(lg)
+                if t + 1 >= ids.shape[1]:
+                    ids = torch.cat([ids, lg.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out.sequences, ids)
+    for a, b in zip(out.logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # the foil: the same count per head of a layer (kvzip-global) answers differently
+    other = _compress(model, ctx, "kvzip", budget_scope="global").generate(qst, **GEN)
+    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-3)
+                   for a, b in zip(out.logits, other.logits))
+
+
+def test_head_budget_generate_leaves_the_context_unchanged(model, gen):
+    ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
+    kvc = _compress(model, ctx, "kvzip", budget_scope="head")
+    before = [(lay.past_k.data_ptr(), lay.past_k.clone(), lay.past_v.clone(), lay.lens.clone())
+              for lay in kvc._layers]
+    first, second = kvc.generate(qst, **GEN), kvc.generate(qst, **GEN)
+    assert torch.equal(first.sequences, second.sequences)
+    for lay, (p, k, v, lens) in zip(kvc._layers, before, strict=True):
+        assert lay.past_k.data_ptr() == p and lay.new_k.shape[2] == 0
+        assert torch.equal(lay.past_k, k) and torch.equal(lay.past_v, v)
+        assert torch.equal(lay.lens, lens)
+    assert kvc.cache().layers[0].past_k.data_ptr() == before[0][0]  # shared, not copied
+
+
+def test_ragged_layer_rows():
+    """RaggedLayer's batch reorderings (beam search, repeat): the padded view's rows move."""
+    from kvprune_cuda._hf_ragged import RaggedLayer
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 9, 4, generator=g), torch.randn(2, 2, 9, 4, generator=g)
+    idx = [[torch.tensor([0, 3, 4]), torch.tensor([1])], [torch.tensor([2, 5]), torch.arange(9)]]
+    lay = RaggedLayer.from_selection(k, v, idx)
+    lay.update(k[:, :, :2], v[:, :, :2])
+    assert lay.tokens.tolist() == [[5, 3], [4, 11]] and lay.get_seq_length() == 11
+    want_k, want_v = lay.keys, lay.values
+    assert torch.equal(want_k[1, 0, :2], k[1, 0, [2, 5]]) and not want_k[1, 0, 2:9].any()
+    assert torch.equal(want_v[:, :, 9:], v[:, :, :2])
+    lay.batch_repeat_interleave(2)
+    assert torch.equal(lay.keys, want_k.repeat_interleave(2, 0))
+    lay.batch_select_indices(torch.tensor([3, 0]))
+    assert torch.equal(lay.keys, want_k[[1, 0]]) and torch.equal(lay.values, want_v[[1, 0]])
+    lay.reorder_cache(torch.tensor([1, 1]))
+    narrow = torch.cat([want_k[[0, 0], :, :3], want_k[[0, 0], :, 9:]], 2)  # row 0 keeps <= 3
+    assert torch.equal(lay.keys, narrow) and lay.tokens.tolist() == [[5, 3], [5, 3]]
+    assert lay.nbytes() == 2 * (2 * (3 + 1) + 2 * 2 * 2) * 4 * 4  # K and V: kept + appended, fp32 D=4
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_generate_leaves_the_context_unchanged(model, gen, policy):
     ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
@@ -246,7 +430,7 @@ def test_generate_equals_question_on_hand_built_cache(model, gen, policy):
     kvzip / snapkv let the cache grow, so their whole greedy answer matches too."""
     ctx, qst = _ids(gen, 1, N), _ids(gen, 1, 5)
     with _eager_capture(model):
-        full, prefill, scores = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+        full, prefill, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
         if policy == "kvzip":
             idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
         else:
@@ -398,8 +582,8 @@ def test_kvzip_builds_its_prompt_from_the_tokenizer(model, gen):
     ctx = torch.cat([torch.tensor([_chars("<u>")]), _ids(gen, 1, N - 3)], 1)
     prompt = RepeatPrompt.from_tokenizer(tok, ctx)
     assert prompt.skip == 3
-    full, _, scores = _kvzip_reference(model, ctx, prompt.chunks(ctx, CHUNK))
-    _, _, others = _kvzip_reference(model, ctx, PROMPT.chunks(ctx, CHUNK))
+    full, _, scores = _kvzip_reference(model, ctx, prompt, CHUNK)
+    _, _, others = _kvzip_reference(model, ctx, PROMPT, CHUNK)
     idx = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
     assert not all(torch.equal(a, ref.select_keep(b, BUDGET, n_sink=SINKS, window=W))
                    for a, b in zip(idx, others))  # the prompt matters
@@ -416,10 +600,11 @@ def test_bad_arguments(model, gen):
     with pytest.raises(ValueError, match="policy"):
         kp.hf.compress_context(model, ctx, "nope", BUDGET)
     for policy in ("streaming", "full"):
-        with pytest.raises(ValueError, match="budget_scope"):
-            kp.hf.compress_context(model, ctx, policy, BUDGET, budget_scope="global")
+        for scope in ("global", "head"):
+            with pytest.raises(ValueError, match="budget_scope"):
+                kp.hf.compress_context(model, ctx, policy, BUDGET, budget_scope=scope)
     with pytest.raises(ValueError, match="budget_scope"):
-        kp.hf.compress_context(model, ctx, "snapkv", BUDGET, budget_scope="head")
+        kp.hf.compress_context(model, ctx, "snapkv", BUDGET, budget_scope="row")
     for bad in (ctx[0], ctx.tolist(), ctx[:, :0], ctx[None]):
         with pytest.raises(ValueError, match="context_ids"):
             kp.hf.compress_context(model, bad, "snapkv", BUDGET, n_sink=SINKS, window=W)
@@ -428,6 +613,9 @@ def test_bad_arguments(model, gen):
             _compress(model, ctx, "kvzip", chunk_size=bad)
     with pytest.raises(ValueError, match="budget"):
         _compress(model, ctx, "kvzip", 10)
+    for bad in ("chunks", None):
+        with pytest.raises(ValueError, match="softmax"):
+            _compress(model, ctx, "kvzip", softmax=bad)
     with pytest.raises(ValueError, match="tokenizer"):  # a random model has no tokenizer to load
         kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, window=W)
     with pytest.raises(ValueError, match="policy"):

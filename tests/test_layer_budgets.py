@@ -1,8 +1,10 @@
-"""kp.layer_budgets: tokens per layer under one budget shared by all layers.
+"""kp.layer_budgets / kp.head_budgets: tokens per layer (per KV head) under one budget shared
+by all layers.
 
 Checked against a brute-force pure-Python implementation of the documented rule (rank every
-free position of every layer, row and KV head together, keep the top ones, split the counts
-by largest remainder), on scores with and without ties, and on small hand-built cases.
+free position of every layer, row and KV head together, keep the top ones; layer_budgets
+then splits the counts by largest remainder), on scores with and without ties, and on small
+hand-built cases.
 """
 
 from __future__ import annotations
@@ -14,22 +16,41 @@ import torch
 import kvprune_cuda as kp
 
 
-def _brute_budgets(scores, budget, n_sink, window):
-    """The docstring of kp.layer_budgets, one Python tuple per free position."""
-    n_layers = len(scores)
+def _brute_chosen(scores, budget, n_sink, window):
+    """The chosen free positions of the docstrings, one Python tuple per free position:
+    (-score, layer, row, head, position), ascending = descending score, then lower index."""
     b, hkv, n = scores[0].shape
-    protected = n_sink + window
-    if budget >= n or protected >= n:
-        return [min(budget, n)] * n_layers
-    items = []  # (-score, layer, row, head, position): ascending = descending score, lower index
+    items = []
     for layer, s in enumerate(scores):
         for row in range(b):
             for head in range(hkv):
                 for j in range(n_sink, n - window):
                     items.append((-float(s[row, head, j]), layer, row, head, j))
     items.sort()
+    return items[:len(scores) * b * hkv * (budget - n_sink - window)]
+
+
+def _brute_head_budgets(scores, budget, n_sink, window):
+    """The docstring of kp.head_budgets: nested lists [L][B][Hkv]."""
+    b, hkv, n = scores[0].shape
+    protected = n_sink + window
+    if budget >= n or protected >= n:
+        return [[[min(budget, n)] * hkv for _ in range(b)] for _ in scores]
+    out = [[[protected] * hkv for _ in range(b)] for _ in scores]
+    for _, layer, row, head, _ in _brute_chosen(scores, budget, n_sink, window):
+        out[layer][row][head] += 1
+    return out
+
+
+def _brute_budgets(scores, budget, n_sink, window):
+    """The docstring of kp.layer_budgets."""
+    n_layers = len(scores)
+    b, hkv, n = scores[0].shape
+    protected = n_sink + window
+    if budget >= n or protected >= n:
+        return [min(budget, n)] * n_layers
     counts = [0] * n_layers
-    for item in items[:n_layers * b * hkv * (budget - protected)]:
+    for item in _brute_chosen(scores, budget, n_sink, window):
         counts[item[1]] += 1
     per_row = b * hkv
     whole = [c // per_row for c in counts]
@@ -76,6 +97,28 @@ def test_matches_brute_force(device, gen, case, ties):
     assert all(type(k) is int for k in got)
     assert sum(got) == n_layers * min(budget, n)
     assert all(min(n_sink + window, n) <= k <= n for k in got)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "L{}B{}H{}n{}k{}s{}w{}".format(*c))
+def test_head_budgets_match_brute_force(device, gen, case, ties):
+    n_layers, b, hkv, n, budget, n_sink, window = case
+    scores = _scores(gen, n_layers, b, hkv, n, ties)
+    got = kp.head_budgets([s.to(device) for s in scores], budget, n_sink=n_sink, window=window)
+    assert got.dtype == torch.int64 and got.device.type == "cpu"
+    assert got.tolist() == _brute_head_budgets(scores, budget, n_sink, window)
+    assert int(got.sum()) == n_layers * b * hkv * min(budget, n)
+    assert bool((got >= min(n_sink + window, n)).all() and (got <= n).all())
+
+
+def test_head_budgets_differ_between_heads_of_a_layer():
+    """Head 0 of layer 0 attends broadly, head 1 to nothing: head 0 takes the free slots of
+    both heads; layer_budgets of the same scores gives both heads the layer's mean."""
+    n_sink, window = 1, 1
+    scores = _layers([[0.9] * 6, [0.0] * 6], [[0.5, 0.5, 0, 0, 0, 0], [0.5, 0.5, 0, 0, 0, 0]])
+    assert kp.head_budgets(scores, 4, n_sink=n_sink, window=window).tolist() == \
+        [[[8, 2]], [[4, 2]]]  # 8 free slots: six 0.9 of layer 0 head 0, then two 0.5 (lower head)
+    assert kp.layer_budgets(scores, 4, n_sink=n_sink, window=window) == [5, 3]
 
 
 def test_budgets_differ_between_layers(gen):
@@ -139,32 +182,33 @@ def test_integer_like_budgets_are_accepted(gen):
         kp.layer_budgets(scores, 12, n_sink=2, window=4)
 
 
-def test_bad_input():
+@pytest.mark.parametrize("fn", [kp.layer_budgets, kp.head_budgets], ids=["layer", "head"])
+def test_bad_input(fn):
     s = torch.rand(1, 2, 30)
     with pytest.raises(ValueError, match="scores"):
-        kp.layer_budgets([], 12)
+        fn([], 12)
     with pytest.raises(ValueError, match=r"scores\[1\]"):
-        kp.layer_budgets([s, s.half()], 12, n_sink=2, window=4)
+        fn([s, s.half()], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match=r"scores\[0\]"):
-        kp.layer_budgets([s.double()], 12, n_sink=2, window=4)
+        fn([s.double()], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match=r"scores\[0\]"):
-        kp.layer_budgets([s[0]], 12, n_sink=2, window=4)
+        fn([s[0]], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match=r"scores\[0\]"):
-        kp.layer_budgets([s.numpy()], 12, n_sink=2, window=4)
+        fn([s.numpy()], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match=r"scores\[1\]"):
-        kp.layer_budgets([s, torch.rand(1, 2, 31)], 12, n_sink=2, window=4)
+        fn([s, torch.rand(1, 2, 31)], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match=r"scores\[2\]"):
-        kp.layer_budgets([s, s, torch.rand(2, 1, 30)], 12, n_sink=2, window=4)
+        fn([s, s, torch.rand(2, 1, 30)], 12, n_sink=2, window=4)
     with pytest.raises(ValueError, match="budget"):
-        kp.layer_budgets([s], 5, n_sink=2, window=4)
+        fn([s], 5, n_sink=2, window=4)
     with pytest.raises(ValueError, match="budget"):
-        kp.layer_budgets([s], 35)  # defaults n_sink=4, window=32
+        fn([s], 35)  # defaults n_sink=4, window=32
     with pytest.raises(ValueError, match="n_sink"):
-        kp.layer_budgets([s], 12, n_sink=-1, window=4)
+        fn([s], 12, n_sink=-1, window=4)
     for bad in (True, 12.0, "12", None):
         with pytest.raises(TypeError, match="budget"):
-            kp.layer_budgets([s], bad, n_sink=2, window=4)
+            fn([s], bad, n_sink=2, window=4)
     with pytest.raises(TypeError, match="n_sink"):
-        kp.layer_budgets([s], 12, n_sink=2.0, window=4)
+        fn([s], 12, n_sink=2.0, window=4)
     with pytest.raises(TypeError, match="window"):
-        kp.layer_budgets([s], 12, n_sink=2, window=False)
+        fn([s], 12, n_sink=2, window=False)

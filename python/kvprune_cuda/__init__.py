@@ -22,7 +22,7 @@ from kvprune_cuda._ops import (
     streaming,
     window_scores,
 )
-from kvprune_cuda.budget import layer_budgets
+from kvprune_cuda.budget import head_budgets, layer_budgets
 from kvprune_cuda.decode import (
     DecodeCache,
     Rope,
@@ -56,6 +56,7 @@ __all__ = [
     "streaming",
     "window_scores",
     "layer_budgets",
+    "head_budgets",
     "DecodeCache",
     "Rope",
     "decode_scores",

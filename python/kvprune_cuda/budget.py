@@ -39,6 +39,41 @@ def layer_budgets(scores: Sequence[torch.Tensor], budget: int, *, n_sink: int = 
     remainder (ties: the lower layer) so the total is exact. One host sync (the counts
     decide tensor shapes).
     """
+    n_layers, b, hkv, n = _check(scores, budget, n_sink, window)
+    protected = n_sink + window
+    if budget >= n or protected >= n:
+        return [min(budget, n)] * n_layers
+    per_row = b * hkv
+    share = _chosen(scores, budget, n_sink, window).sum((1, 2)).double() / per_row  # fractional
+    whole = share.floor().long()
+    left = n_layers * (budget - protected) - int(whole.sum())
+    if left > 0:
+        frac = share - whole.double()
+        whole[torch.sort(frac, descending=True, stable=True).indices[:left]] += 1
+    return [protected + int(x) for x in whole.tolist()]
+
+
+def head_budgets(scores: Sequence[torch.Tensor], budget: int, *, n_sink: int = 4,
+                 window: int = 32) -> torch.Tensor:
+    """Tokens each (layer, row, KV head) keeps when all of them share one budget.
+
+    The same ranking as :func:`layer_budgets`, without splitting the counts evenly over a
+    layer's rows and heads: int64 ``[L, B, Hkv]`` (on the CPU), ``n_sink + window`` plus
+    the number of that head's free positions among the top
+    ``L * B * Hkv * (budget - n_sink - window)`` (equal scores prefer the lower layer, row,
+    head and position), so ``sum == L * B * Hkv * min(budget, n)``. With ``budget >= n`` or
+    ``n_sink + window >= n`` every head keeps ``min(budget, n)``. Heads then hold different
+    numbers of tokens: a ragged layout (``kp.hf``'s per-head cache layer) frees the rest.
+    """
+    n_layers, b, hkv, n = _check(scores, budget, n_sink, window)
+    protected = n_sink + window
+    if budget >= n or protected >= n:
+        return torch.full((n_layers, b, hkv), min(budget, n), dtype=torch.int64)
+    return protected + _chosen(scores, budget, n_sink, window).cpu()
+
+
+def _check(scores: Sequence[torch.Tensor], budget: int, n_sink: int, window: int) -> tuple:
+    """(L, B, Hkv, n) of valid arguments; a ValueError / TypeError naming the bad one."""
     check_int("budget", budget)
     check_int("n_sink", n_sink)
     check_int("window", window)
@@ -52,23 +87,20 @@ def layer_budgets(scores: Sequence[torch.Tensor], budget: int, *, n_sink: int = 
         if s.shape != shape or s.device != dev:
             raise ValueError(f"scores[{i}]: shape {tuple(s.shape)} on {s.device} differs from "
                              f"scores[0] {tuple(shape)} on {dev}")
-    n_layers, (b, hkv, n) = len(scores), shape
     if n_sink < 0 or window < 0:
         raise ValueError(f"n_sink, window: must be >= 0, got {n_sink}, {window}")
-    protected = n_sink + window
-    if budget < protected:
-        raise ValueError(f"budget: {budget} < n_sink + window = {protected}")
-    if budget >= n or protected >= n:
-        return [min(budget, n)] * n_layers
+    if budget < n_sink + window:
+        raise ValueError(f"budget: {budget} < n_sink + window = {n_sink + window}")
+    return (len(scores), *shape)
+
+
+def _chosen(scores: Sequence[torch.Tensor], budget: int, n_sink: int, window: int) -> torch.Tensor:
+    """int64 [L, B, Hkv]: free positions of each head among the top ``L * B * Hkv * (budget -
+    n_sink - window)`` of all layers' free scores (a stable descending sort; needs
+    ``n_sink + window < n``)."""
+    n_layers, b, hkv, n = len(scores), *scores[0].shape
     free = torch.stack([s[:, :, n_sink:n - window] for s in scores])  # [L, B, Hkv, n - P]
-    per_row = b * hkv
-    n_chosen = n_layers * per_row * (budget - protected)
+    n_chosen = n_layers * b * hkv * (budget - n_sink - window)
     order = torch.sort(free.reshape(-1), descending=True, stable=True).indices[:n_chosen]
-    counts = torch.bincount(order // (per_row * free.shape[3]), minlength=n_layers)
-    share = counts.double() / per_row                                # tokens per layer, fractional
-    whole = share.floor().long()
-    left = n_layers * (budget - protected) - int(whole.sum())
-    if left > 0:
-        frac = share - whole.double()
-        whole[torch.sort(frac, descending=True, stable=True).indices[:left]] += 1
-    return [protected + int(x) for x in whole.tolist()]
+    counts = torch.bincount(order // free.shape[3], minlength=n_layers * b * hkv)
+    return counts.view(n_layers, b, hkv)

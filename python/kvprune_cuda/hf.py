@@ -28,7 +28,8 @@ Policies (``budget``: a fraction of the prompt length in (0, 1], or a token coun
   the context (:func:`compress_context` only: it runs the reconstruction forwards).
 
 :func:`compress_context` (in ``hf_context``) prefills a context once, compresses it under any
-policy, with a uniform or a global (``kp.layer_budgets``) budget, and answers any number of
+policy, with a uniform budget, a global one per layer (``kp.layer_budgets``) or per KV head
+(``kp.head_budgets``, a ragged per-head cache layer), and answers any number of
 questions from it (``kvc.generate``).
 
 How it hooks in: a forward hook on every attention module recomputes that layer's post-RoPE
@@ -61,6 +62,7 @@ import kvprune_cuda as kp
 from kvprune_cuda._hf_lse import attention_lse
 
 POLICIES = ("full", "streaming", "snapkv", "h2o", "kvzip")
+SOFTMAX = ("chunk", "all")  # kvzip: the keys a reconstruction query's softmax covers
 
 
 def resolve_budget(budget: Union[int, float], n: int) -> int:
@@ -94,6 +96,9 @@ def kv_bytes(cache) -> int:
     n = len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
     total = 0
     for i in range(n):
+        if hasattr(cache, "layers") and hasattr(cache.layers[i], "nbytes"):  # per-head layer
+            total += cache.layers[i].nbytes()
+            continue
         k, v = cache_kv(cache, i)
         if k is not None and k.numel():
             total += k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -127,6 +132,7 @@ class _Layer:
         self.valid: Optional[torch.Tensor] = None   # bool [B, Hkv, L]; None = not compressed
         self.kvzip: Optional[torch.Tensor] = None   # fp32 [B, Hkv, n] reconstruction scores
         self.fixed = False  # a FixedCapacityLayer in the cache (streaming / h2o, compressed)
+        self.ragged = False  # a RaggedLayer in the cache (a token count per KV head)
 
 
 class KVCompressor:
@@ -164,6 +170,7 @@ class KVCompressor:
             raise ValueError("model: no attention modules with q_proj/k_proj/layer_idx found")
         self._handles: list = []
         self._reconstructing: Optional[int] = None  # context length while scoring a reconstruction
+        self.reconstruct_span: Optional[tuple[int, int]] = None  # context chunk being reconstructed
         params = inspect.signature(self.base.forward).parameters
         self._has_cache_position = "cache_position" in params
         self.reset()
@@ -174,7 +181,7 @@ class KVCompressor:
         self.layers = {m.layer_idx: _Layer() for m in self.attn}
         self.seen = 0                   # tokens processed so far (original positions)
         self.prompt_len: Optional[int] = None
-        self.kept: Optional[int] = None  # tokens held per layer right after compression
+        self.kept: Optional[int] = None  # tokens per layer right after compression (heads alike)
         self._prefill_valid: Optional[torch.Tensor] = None  # bool [B, N] of the prefill
         self._new_valid: Optional[torch.Tensor] = None      # bool [B, q] of the current forward
         self._cache = None
@@ -283,6 +290,10 @@ class KVCompressor:
             return output
         hs = kwargs.get("hidden_states", args[0] if args else None)
         q_len = hs.shape[1]
+        if st.ragged:  # compressed per head: only the new tokens' validity to record
+            st.valid = torch.cat([st.valid, self._new_valid[:, None, :].expand(
+                -1, st.valid.shape[1], -1)], 2)
+            return output
         k, v = cache_kv(cache, i)
         if self._reconstructing is not None:
             self._fold_reconstruction(module, st, hs, kwargs["position_embeddings"], k)
@@ -338,19 +349,29 @@ class KVCompressor:
             raise ValueError("attention_mask: only left padding is supported")
         return pad
 
-    def score_reconstruction(self, forward_chunks, gqa: Optional[str] = None) -> None:
+    def score_reconstruction(self, forward_chunks, gqa: Optional[str] = None,
+                             softmax: str = "chunk") -> None:
         """KVzip scoring: runs ``forward_chunks()`` (teacher-forced reconstruction forwards on
         the uncompressed cache of a context of ``self.seen`` tokens) and folds, per layer, the
         maximum attention probability each context key gets from any reconstruction query
-        (``kp.window_scores(qreduce="max", out=...)``: the softmax covers every visible key,
-        context and reconstruction tokens alike; ``gqa``, default the compressor's, combines
-        the query heads of a KV group). ``forward_chunks`` crops the cache back to the
-        context after each forward."""
+        (``kp.window_scores(qreduce="max", out=...)``; ``gqa``, default the compressor's,
+        combines the query heads of a KV group). ``forward_chunks`` crops the cache back to the
+        context after each forward.
+
+        ``softmax``: which keys a reconstruction query's probabilities are normalised over.
+        ``"chunk"`` (KVzip's own, and kvpress's ``KVzipPress``): the sinks, the context chunk
+        it reconstructs and the reconstruction tokens; only that chunk's keys are scored, so
+        ``forward_chunks`` must set ``self.reconstruct_span = (start, end)`` (the chunk's
+        context positions) before each forward. ``"all"``: every key the query sees, the
+        whole context included (the model's own attention probabilities)."""
+        if softmax not in SOFTMAX:
+            raise ValueError(f"softmax: expected one of {SOFTMAX}, got {softmax!r}")
         n = self.seen
         if self._left_pad(n) is not None:
             raise ValueError("context_ids: kvzip scoring needs rows without padding")
         snap = self.snapshot()
         self._reconstructing, self._reconstruct_gqa = n, gqa or self.gqa
+        self._reconstruct_softmax, self.reconstruct_span = softmax, None
         self._reconstruct_lse = {}
         try:
             with attention_lse(self.model, self._reconstruct_lse):
@@ -363,16 +384,31 @@ class KVCompressor:
             self.layers[i].kvzip = s
 
     def _fold_reconstruction(self, module, st: _Layer, hs, rope, k) -> None:
-        """One chunk's maxima into st.kvzip, with the queries and lse of the layer's own
-        attention call when it gave them (``_hf_lse``), else recomputed (two passes)."""
+        """One chunk's maxima into st.kvzip (k: [B, Hkv, n + r, D], the context and the r
+        reconstruction tokens). Softmax "all": with the queries and lse of the layer's own
+        attention call when it gave them (``_hf_lse``), else recomputed (two passes);
+        "chunk": over the sinks, the chunk and the reconstruction keys (two passes)."""
         qn, lse = self._reconstruct_lse.pop(module.layer_idx, (None, None))
         if qn is None:
             qn = self._queries(module, hs, *rope)
         if st.kvzip is None:
             st.kvzip = torch.zeros(k.shape[0], k.shape[1], self._reconstructing,
                                    dtype=torch.float32, device=k.device)
-        kp.window_scores(qn.to(k.dtype), k, lse=lse, scale=getattr(module, "scaling", None),
-                         gqa=self._reconstruct_gqa, qreduce="max", out=st.kvzip)
+        scale = getattr(module, "scaling", None)
+        if self._reconstruct_softmax == "all":
+            kp.window_scores(qn.to(k.dtype), k, lse=lse, scale=scale, gqa=self._reconstruct_gqa,
+                             qreduce="max", out=st.kvzip)
+            return
+        if self.reconstruct_span is None:
+            raise RuntimeError("softmax 'chunk': forward_chunks must set reconstruct_span "
+                               "before each reconstruction forward")
+        s, e = self.reconstruct_span
+        sink, r = min(self.n_sink, s), hs.shape[1]
+        keys = torch.cat([k[:, :, s:e], k[:, :, :sink], k[:, :, k.shape[2] - r:]], 2)
+        chunk = st.kvzip[:, :, s:e].contiguous()  # the chunk's keys come first: out's M = e - s
+        kp.window_scores(qn.to(k.dtype), keys, scale=scale, gqa=self._reconstruct_gqa,
+                         qreduce="max", out=chunk)
+        st.kvzip[:, :, s:e] = chunk
 
     def selection_scores(self, cache, i: int, policy: Optional[str] = None) -> torch.Tensor:
         """fp32 [B, Hkv, n]: the scores by which ``policy`` ranks layer ``i``'s (uncompressed,
@@ -470,6 +506,21 @@ class KVCompressor:
                                       h2o_scores=(self._recorded_scores(st, policy, i)
                                                   if policy == "h2o" else None))
         st.h2o, st.fixed = None, True
+
+    def compress_heads(self, cache, i: int, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Compresses layer ``i`` of ``cache`` (not yet compressed, unpadded rows) to
+        ``counts[b, h]`` tokens per KV head (int64 [B, Hkv], e.g. a layer of
+        :func:`kvprune_cuda.head_budgets`), each head keeping its top ``scores`` (fp32
+        [B, Hkv, n]); the layer becomes a :class:`~kvprune_cuda._hf_ragged.RaggedLayer`."""
+        from kvprune_cuda._hf_ragged import ragged_layer
+
+        st = self.layers[i]
+        k, v = cache_kv(cache, i)
+        if self._left_pad(k.shape[2]) is not None:
+            raise ValueError("attention_mask: per-head budgets need rows without padding")
+        cache.layers[i] = ragged_layer(k, v, scores, counts, n_sink=self.n_sink, window=self.window)
+        st.valid, st.ragged, st.kvzip, st.h2o = cache.layers[i].valid(), True, None, None
+        self.prompt_len, self.kept = k.shape[2], None
 
     def _min_keep(self, policy: str) -> int:
         """The smallest budget ``policy`` can work with: sinks and window, plus, for the

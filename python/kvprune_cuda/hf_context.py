@@ -8,8 +8,9 @@ after the prefill, a "repeat the previous context" prompt followed by the contex
 fed in chunks, teacher-forced, on the uncompressed cache, and a key's score is the maximum,
 over the reconstruction queries and the query heads of its KV group, of its attention
 probability (``kp.window_scores(qreduce="max", gqa="max", out=...)``, one fp32 buffer per
-layer, chunks folded in place). The reconstruction tokens' own keys are dropped after each
-chunk.
+layer, chunks folded in place), normalised as KVzip does over the sinks, the chunk being
+reconstructed and the reconstruction tokens (``softmax="chunk"``) or over every key the
+query sees (``"all"``). The reconstruction tokens' own keys are dropped after each chunk.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import torch
 
 import kvprune_cuda as kp
 from kvprune_cuda import hf
+from kvprune_cuda._hf_ragged import RaggedLayer
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
-SCOPES = ("layer", "global")
+SCOPES = ("layer", "global", "head")
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,12 @@ class RepeatPrompt:
                 skip = len(head)
         return cls(first=ids(FIRST_PROMPT), next=ids(NEXT_PROMPT), suffix=ids(post), skip=skip)
 
+    def spans(self, n: int, chunk_size: int) -> list[tuple[int, int]]:
+        """The context positions ``[start, end)`` each chunk reconstructs."""
+        return [(s, min(s + chunk_size, n)) for s in range(self.skip, n, chunk_size)]
+
     def chunks(self, context_ids: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
-        """The reconstruction inputs, one ``[B, r_c]`` tensor per chunk."""
+        """The reconstruction inputs, one ``[B, r_c]`` tensor per chunk (of :meth:`spans`)."""
         n = context_ids.shape[1]
         if self.skip >= n:
             raise ValueError(f"repeat_prompt: skip = {self.skip} leaves none of the {n} context "
@@ -79,8 +85,8 @@ class RepeatPrompt:
         dev, b = context_ids.device, context_ids.shape[0]
         row = lambda xs: torch.tensor(list(xs), dtype=context_ids.dtype, device=dev).expand(b, -1)  # noqa: E731
         out, prev = [], None
-        for s in range(self.skip, n, chunk_size):
-            piece = context_ids[:, s:s + chunk_size]
+        for s, e in self.spans(n, chunk_size):
+            piece = context_ids[:, s:e]
             head = row(self.first) if prev is None else torch.cat(
                 [row(self.next), prev[:, max(prev.shape[1] - self.overlap, 0):]], 1)
             out.append(torch.cat([head, row(self.suffix), piece], 1))
@@ -93,7 +99,9 @@ class CompressedContext:
 
     ``tokens_per_layer`` / ``bytes_per_layer``: what each layer holds (K and V; for streaming
     and h2o the slots of their fixed-capacity cache, whose int32 positions and h2o's fp32
-    scores add 4-8 bytes per slot and KV head);
+    scores add 4-8 bytes per slot and KV head); tokens per KV head and row, averaged (an int
+    unless ``budget_scope="head"`` made the heads differ); ``tokens_per_head``: per layer,
+    the ``[B][Hkv]`` counts;
     ``prefill_seconds``: the context's forward; ``compress_seconds``: what compression
     added (kvzip's reconstruction forwards and scoring, selection, compaction).
     """
@@ -106,8 +114,10 @@ class CompressedContext:
         self._layers = [cache.layers[i] for i in range(len(compressor.layers))]
         self._state = compressor.snapshot()
         self.prefill_seconds, self.compress_seconds = prefill_seconds, compress_seconds
-        self.tokens_per_layer = [lay.keys.shape[2] for lay in self._layers]
-        self.bytes_per_layer = [lay.keys.numel() * lay.keys.element_size()
+        self.tokens_per_head = [_held(lay).tolist() for lay in self._layers]
+        self.tokens_per_layer = [_mean(t) for t in self.tokens_per_head]
+        self.bytes_per_layer = [lay.nbytes() if isinstance(lay, RaggedLayer) else
+                                lay.keys.numel() * lay.keys.element_size()
                                 + lay.values.numel() * lay.values.element_size()
                                 for lay in self._layers]
 
@@ -120,22 +130,28 @@ class CompressedContext:
         return sum(self.bytes_per_layer)
 
     def __repr__(self) -> str:
-        t = self.tokens_per_layer
+        t = [x for layer in self.tokens_per_head for row in layer for x in row]
         return (f"CompressedContext(policy={self.policy!r}, context_len={self.context_len}, "
-                f"tokens per layer {min(t)}..{max(t)} (mean {sum(t) / len(t):.1f}), "
+                f"tokens per head {min(t)}..{max(t)} (mean {sum(t) / len(t):.1f}), "
                 f"{self.nbytes / 2**20:.2f} MiB, prefill {self.prefill_seconds:.2f} s + "
                 f"compression {self.compress_seconds:.2f} s)")
 
     def cache(self):
         """A new DynamicCache for one question: it shares this context's K/V tensors where
-        decoding appends by concatenation (they are never written), and holds a copy of the
-        fixed-capacity (streaming / h2o) layers, which decoding writes in place."""
+        decoding appends by concatenation (they are never written; per-head layers append
+        beside them), and holds a copy of the fixed-capacity (streaming / h2o) layers, which
+        decoding writes in place."""
         from transformers import DynamicCache
 
         from kvprune_cuda._hf_fixed import FixedCapacityLayer
 
         c = DynamicCache()
         for i, lay in enumerate(self._layers):
+            if isinstance(lay, RaggedLayer):
+                empty = lay.new_k[:, :, :0]
+                c.update(empty, empty, i)
+                c.layers[i] = lay.fork()
+                continue
             c.update(lay.keys[:, :, :0], lay.values[:, :, :0], i)
             if isinstance(lay, FixedCapacityLayer):
                 c.layers[i] = lay.copy()
@@ -189,8 +205,9 @@ class CompressedContext:
 def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
                      budget: Union[int, float] = 0.2, *, budget_scope: str = "layer",
                      n_sink: int = 4, window: Optional[int] = None, kernel_size: int = 7, pool: str = "max",
-                     gqa: Optional[str] = None, chunk_size: int = 2048, tokenizer=None,
-                     repeat_prompt: Optional[RepeatPrompt] = None) -> CompressedContext:
+                     gqa: Optional[str] = None, chunk_size: int = 2048, softmax: str = "chunk",
+                     tokenizer=None, repeat_prompt: Optional[RepeatPrompt] = None
+                     ) -> CompressedContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses it.
 
     Args:
@@ -199,7 +216,10 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
             or "full" (no eviction).
         budget: tokens kept per layer: a fraction of ``n`` in (0, 1] or a count; with
             ``budget_scope="global"`` it is the mean over layers, each layer keeping what
-            :func:`kvprune_cuda.layer_budgets` allocates from its scores (not "streaming").
+            :func:`kvprune_cuda.layer_budgets` allocates from its scores; with ``"head"`` the
+            mean over layers, rows and KV heads, each head keeping what
+            :func:`kvprune_cuda.head_budgets` allocates (KVzip's own allocation), held in a
+            ragged per-head layer that frees the rest (neither for "streaming" / "full").
         n_sink, window: the first / last context positions every layer keeps (``window``
             default: 0 for kvzip, which protects only the sinks as KVzip does; 32 otherwise,
             also snapkv's observation window).
@@ -207,6 +227,10 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
             ("max" for kvzip, as KVzip defines it; "mean" otherwise).
         chunk_size: context tokens reconstructed per kvzip forward (memory: the cache grows
             by one chunk plus the prompt while it is scored).
+        softmax: the keys kvzip's reconstruction probabilities are normalised over: "chunk"
+            (KVzip's own: the sinks, the chunk being reconstructed and the reconstruction
+            tokens) or "all" (every key the query sees, the whole context included); see
+            :meth:`~kvprune_cuda.hf.KVCompressor.score_reconstruction`.
         tokenizer, repeat_prompt: kvzip's reconstruction prompt; by default built with
             :meth:`RepeatPrompt.from_tokenizer` from ``tokenizer`` (else the model's own,
             loaded from ``model.config.name_or_path``).
@@ -215,12 +239,14 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
         raise ValueError(f"policy: expected one of {hf.POLICIES}, got {policy!r}")
     if budget_scope not in SCOPES:
         raise ValueError(f"budget_scope: expected one of {SCOPES}, got {budget_scope!r}")
-    if budget_scope == "global" and policy in ("streaming", "full"):
-        raise ValueError(f"budget_scope: 'global' ranks scores; policy {policy!r} has none")
+    if budget_scope != "layer" and policy in ("streaming", "full"):
+        raise ValueError(f"budget_scope: {budget_scope!r} ranks scores; policy {policy!r} has none")
     if not isinstance(context_ids, torch.Tensor) or context_ids.dim() != 2 or context_ids.shape[1] < 1:
         raise ValueError("context_ids: expected a [B, n >= 1] tensor of token ids")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    if softmax not in hf.SOFTMAX:
+        raise ValueError(f"softmax: expected one of {hf.SOFTMAX}, got {softmax!r}")
     gqa = gqa or ("max" if policy == "kvzip" else "mean")
     window = (0 if policy == "kvzip" else 32) if window is None else window
     n = context_ids.shape[1]
@@ -240,8 +266,8 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
             comp.base(input_ids=context_ids, use_cache=True, **{_cache_name(comp.base): cache})
             t1 = time.perf_counter()
             if prompt is not None:
-                comp.score_reconstruction(lambda: _reconstruct(comp, cache, prompt.chunks(
-                    context_ids, chunk_size), n))
+                comp.score_reconstruction(lambda: _reconstruct(
+                    comp, cache, prompt, context_ids, chunk_size), softmax=softmax)
             _compress(comp, cache, policy, budget, budget_scope, n)
             t2 = time.perf_counter()
     finally:
@@ -249,9 +275,12 @@ def compress_context(model, context_ids: torch.Tensor, policy: str = "kvzip",
     return CompressedContext(model, comp, context_ids, cache, t1 - t0, t2 - t1)
 
 
-def _reconstruct(comp: "hf.KVCompressor", cache, chunks: list[torch.Tensor], n: int) -> None:
+def _reconstruct(comp: "hf.KVCompressor", cache, prompt: RepeatPrompt, context_ids: torch.Tensor,
+                 chunk_size: int) -> None:
     """Teacher-forced reconstruction forwards, the cache cropped back to the context after each."""
-    for ids in chunks:
+    n = context_ids.shape[1]
+    for ids, span in zip(prompt.chunks(context_ids, chunk_size), prompt.spans(n, chunk_size)):
+        comp.reconstruct_span = span
         comp.base(input_ids=ids, use_cache=True, **{_cache_name(comp.base): cache})
         for i in range(len(comp.layers)):
             k, v = hf.cache_kv(cache, i)
@@ -265,9 +294,28 @@ def _compress(comp: "hf.KVCompressor", cache, policy: str, budget, scope: str, n
     kb = max(hf.resolve_budget(budget, n), comp.n_sink + comp.window)
     layers = sorted(comp.layers)
     scores = [comp.selection_scores(cache, i) for i in layers]
+    if scope == "head":
+        counts = kp.head_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)
+        for i, c_l, s in zip(layers, counts, scores):
+            comp.compress_heads(cache, i, c_l, s)
+        return
     budgets = kp.layer_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)
     for i, k_l, s in zip(layers, budgets, scores):  # selects from the scores just ranked
         comp.compress_layer(cache, i, policy, k_l, scores=s)
+
+
+def _held(lay) -> torch.Tensor:
+    """int64 [B, Hkv]: tokens a cache layer holds per row and KV head."""
+    if isinstance(lay, RaggedLayer):
+        return lay.tokens
+    b, hkv, t = lay.keys.shape[:3]
+    return torch.full((b, hkv), t, dtype=torch.int64)
+
+
+def _mean(per_head: list) -> Union[int, float]:
+    """The mean of a ``[B][Hkv]`` list of counts: an int when they are all equal."""
+    flat = [x for row in per_head for x in row]
+    return flat[0] if len(set(flat)) == 1 else sum(flat) / len(flat)
 
 
 def _cache_name(module) -> str:
