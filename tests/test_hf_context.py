@@ -224,6 +224,32 @@ def test_global_budget_follows_layer_budgets(model, gen, policy):
     assert frac.tokens_per_layer == want
 
 
+@pytest.mark.parametrize("scope", ["global", "head"])
+def test_global_budgets_rank_the_named_policys_scores(model, gen, scope):
+    """hf_context._compress (what bench/eval_context.py calls on one scored prefill for every
+    policy) ranks the scores of the policy it is given, not those of the compressor's own."""
+    ctx = _ids(gen, 1, N)
+    full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
+    comp = hf.KVCompressor(model, "snapkv", BUDGET, n_sink=SINKS, window=W, gqa="max",
+                           compress_on_prefill=False).attach()
+    cache = transformers.DynamicCache()
+    try:
+        with _eager_capture(model), torch.no_grad():
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            comp.score_reconstruction(lambda: hf_context._reconstruct(comp, cache, PROMPT, ctx,
+                                                                      CHUNK))
+            hf_context._compress(comp, cache, "kvzip", BUDGET, scope, N)
+    finally:
+        comp.detach()
+    if scope == "global":
+        want = kp.layer_budgets(scores, BUDGET, n_sink=SINKS, window=W)
+        _assert_layers(cache, full, [ref.select_keep(s, k, n_sink=SINKS, window=W)
+                                     for s, k in zip(scores, want)])
+    else:
+        assert [lay.lens.tolist() for lay in cache.layers] == \
+            kp.head_budgets(scores, BUDGET, n_sink=SINKS, window=W).tolist()
+
+
 def _head_selection(scores):
     """Per layer, the kept positions of every (row, KV head) under kp.head_budgets: nested
     [B][Hkv] int64 1D (the reference's select_keep of that head's scores and count)."""

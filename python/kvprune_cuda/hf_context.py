@@ -293,7 +293,7 @@ def _compress(comp: "hf.KVCompressor", cache, policy: str, budget, scope: str, n
         return
     kb = max(hf.resolve_budget(budget, n), comp.n_sink + comp.window)
     layers = sorted(comp.layers)
-    scores = [comp.selection_scores(cache, i) for i in layers]
+    scores = [comp.selection_scores(cache, i, policy) for i in layers]
     if scope == "head":
         counts = kp.head_budgets(scores, kb, n_sink=comp.n_sink, window=comp.window)
         for i, c_l, s in zip(layers, counts, scores):
