@@ -14,10 +14,14 @@ setting where SnapKV's voting window holds no question. Three parts:
    ``-layer`` = ``layerwise=True``). Cost control: the context is prefilled and kvzip-scored
    once per trial (``KVCompressor`` + ``score_reconstruction``, exactly what
    ``compress_context`` runs) and kvpress's KVzip scores once per trial; each budget then only
-   selects, asks and decodes. Scores do not depend on the budget.
+   selects, asks and decodes. Scores do not depend on the budget. kvzip's softmax is KVzip's
+   (``softmax="chunk"``, compress_context's default); ``--kvzip-softmax all`` runs the other
+   (config names ``kvzip-all...``; ``--table`` gives that name to the kvzip rows of files
+   written before the option, which all used it).
 2. Timing and peak memory (first ``--time-trials`` trials, no hooks but the method's own):
-   plain prefill, ``kp.hf.compress_context`` kvzip / snapkv, kvpress ``KVzipPress``. The
-   answer of ``compress_context(kvzip)`` + ``kvc.generate`` is checked against part 1's.
+   plain prefill, ``kp.hf.compress_context`` kvzip (the first of the head / global / layer
+   scopes ``--policies`` runs) / snapkv, kvpress ``KVzipPress``. The answer of
+   ``compress_context(kvzip)`` + ``kvc.generate`` is checked against part 1's.
 3. Three questions from one compression: three labelled pass keys in one context, one
    ``kp.hf.compress_context`` per method, ``kvc.generate`` asked each question in turn.
 
@@ -293,7 +297,9 @@ def multi_question(model, tok, novels, rng, args):
 
 
 def merge(parts: list) -> dict:
-    """One result from the --part runs of the same trials (same seed: same prompts and keys)."""
+    """One result from the --part runs of the same trials (same seed: same prompts and keys).
+    Results and three-question methods of later files win; timings of earlier ones (so that a
+    later run on another machine does not mix its seconds into the medians)."""
     data = parts[0]
     for i, r in enumerate(data["records"]):
         r.setdefault("trial", i)
@@ -307,10 +313,10 @@ def merge(parts: list) -> dict:
                 raise ValueError(f"--table: trial {r['key']}: the full cache answers differ")
             r["results"].update({k: v for k, v in o["results"].items() if k != "full"})
             if o.get("timing"):
-                r["timing"] = {**(r.get("timing") or {}), **o["timing"]}
+                r["timing"] = {**o["timing"], **(r.get("timing") or {})}  # earlier files win
         multi = other.get("multi") or []
-        if data.get("multi") and multi:  # the same contexts: methods of later files win
-            if [m["keys"] for m in data["multi"]] != [m["keys"] for m in multi]:
+        if data.get("multi") and multi:  # the same contexts (a prefix): later files' methods win
+            if any(m["keys"] != o["keys"] for m, o in zip(data["multi"], multi)):
                 raise ValueError("--table: the files hold different three-question contexts")
             for m, o in zip(data["multi"], multi):
                 m["methods"].update({k: v for k, v in o["methods"].items() if k != "full"})
@@ -348,7 +354,9 @@ def table(data) -> str:
         base = med("plain_prefill_seconds") if any("plain_prefill_seconds" in t for t in tm) else 1.0
         for k, label in [("plain_prefill", "plain prefill (no compression)"),
                          ("snapkv", "kp.hf.compress_context snapkv"),
-                         ("kvzip", "kp.hf.compress_context kvzip"),
+                         ("kvzip", "kp.hf.compress_context kvzip (%s budget, softmax %s)" % (
+                             tm[0].get("kvzip_scope", "layer"),
+                             data["args"].get("kvzip_softmax", "all"))),
                          ("kvpress_kvzip", "kvpress KVzipPress (prefill + scoring)")]:
             if any(f"{k}_seconds" in t for t in tm):
                 s = med(f"{k}_seconds")
@@ -357,9 +365,10 @@ def table(data) -> str:
     if data.get("multi"):
         out += "\n| method (3 questions per compression) | " + " | ".join(COLORS) + " |\n"
         out += "|---|" + "---|" * len(COLORS) + "\n"
-        for nm in data["multi"][0]["methods"]:
-            cells = [f"{sum(t['methods'][nm]['answers'][c]['hit'] for t in data['multi'])}/"
-                     f"{len(data['multi'])}" for c in COLORS]
+        names = dict.fromkeys(nm for t in data["multi"] for nm in t["methods"])
+        for nm in names:
+            got = [t["methods"][nm]["answers"] for t in data["multi"] if nm in t["methods"]]
+            cells = [f"{sum(a[c]['hit'] for a in got)}/{len(got)}" for c in COLORS]
             out += f"| {nm} | " + " | ".join(cells) + " |\n"
     return out
 
