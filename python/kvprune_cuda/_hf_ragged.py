@@ -35,6 +35,7 @@ class RaggedLayer(DynamicLayer):
                  new_k: Optional[torch.Tensor] = None, new_v: Optional[torch.Tensor] = None) -> None:
         # past_k / past_v: [sum(lens), D]; lens: int64 [B, Hkv] (CPU); new_k / new_v: [B, Hkv, t, D]
         self.past_k, self.past_v, self.lens = past_k, past_v, lens
+        self.width = int(lens.max()) if lens.numel() else 0  # P: the longest head's kept tokens
         b, hkv = lens.shape
         d = past_k.shape[-1]
         empty = past_k.new_empty(b, hkv, 0, d)
@@ -59,11 +60,6 @@ class RaggedLayer(DynamicLayer):
         return cls(pick(k), pick(v), lens)
 
     # ----------------------------------------------------------------- what it holds
-    @property
-    def width(self) -> int:
-        """``P``: the longest head's kept context tokens (the padded view's context part)."""
-        return int(self.lens.max()) if self.lens.numel() else 0
-
     @property
     def tokens(self) -> torch.Tensor:
         """int64 [B, Hkv]: tokens held per head (kept context + appended)."""
@@ -149,14 +145,14 @@ def ragged_layer(k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, counts:
     """The per-head compressed layer of ``k``/``v`` [B, Hkv, n, D] (unpadded rows): head
     ``(b, h)`` keeps :func:`kvprune_cuda.select_keep` of its ``scores`` (fp32 [B, Hkv, n])
     with budget ``counts[b, h]`` (int64 [B, Hkv], e.g. a layer of
-    :func:`kvprune_cuda.head_budgets`)."""
+    :func:`kvprune_cuda.head_budgets`; at most ``n`` are kept, so no index is -1)."""
     import kvprune_cuda as kp
 
     b, hkv, n = scores.shape
     idx = [[None] * hkv for _ in range(b)]
     for i in range(b):
         for h in range(hkv):
-            keep = kp.select_keep(scores[i:i + 1, h:h + 1].contiguous(), int(counts[i, h]),
-                                  n_sink=n_sink, window=window)[0, 0]
-            idx[i][h] = keep[keep >= 0].long()
+            idx[i][h] = kp.select_keep(scores[i:i + 1, h:h + 1].contiguous(),
+                                       min(int(counts[i, h]), n), n_sink=n_sink,
+                                       window=window)[0, 0].long()
     return RaggedLayer.from_selection(k, v, idx)

@@ -91,18 +91,20 @@ def set_cache_kv(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> Non
         cache.key_cache[layer_idx], cache.value_cache[layer_idx] = k, v
 
 
+def layer_bytes(cache, layer_idx: int) -> int:
+    """Bytes of K and V one layer of a DynamicCache holds (padding slots included)."""
+    if hasattr(cache, "layers") and hasattr(cache.layers[layer_idx], "nbytes"):  # per-head layer
+        return cache.layers[layer_idx].nbytes()
+    k, v = cache_kv(cache, layer_idx)
+    if k is None or not k.numel():
+        return 0
+    return k.numel() * k.element_size() + v.numel() * v.element_size()
+
+
 def kv_bytes(cache) -> int:
     """Bytes of K and V actually held by a DynamicCache (all layers, padding slots included)."""
     n = len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
-    total = 0
-    for i in range(n):
-        if hasattr(cache, "layers") and hasattr(cache.layers[i], "nbytes"):  # per-head layer
-            total += cache.layers[i].nbytes()
-            continue
-        k, v = cache_kv(cache, i)
-        if k is not None and k.numel():
-            total += k.numel() * k.element_size() + v.numel() * v.element_size()
-    return total
+    return sum(layer_bytes(cache, i) for i in range(n))
 
 
 def _cache_arg(kwargs):
@@ -291,8 +293,7 @@ class KVCompressor:
         hs = kwargs.get("hidden_states", args[0] if args else None)
         q_len = hs.shape[1]
         if st.ragged:  # compressed per head: only the new tokens' validity to record
-            st.valid = torch.cat([st.valid, self._new_valid[:, None, :].expand(
-                -1, st.valid.shape[1], -1)], 2)
+            self._append_valid(st)
             return output
         k, v = cache_kv(cache, i)
         if self._reconstructing is not None:
@@ -316,8 +317,7 @@ class KVCompressor:
         if self.track_h2o:
             self._accumulate_h2o(st, qn, k)
         if st.valid is not None:
-            nv = self._new_valid[:, None, :].expand(-1, k.shape[1], -1)
-            st.valid = torch.cat([st.valid, nv], 2)
+            self._append_valid(st)
         elif self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:
             if self.policy == "full":
                 self.prompt_len = self.kept = q_len
@@ -326,6 +326,11 @@ class KVCompressor:
         return output
 
     # ----------------------------------------------------------------- pieces
+    def _append_valid(self, st: _Layer) -> None:
+        """The current forward's new tokens join a compressed layer's slot validity."""
+        nv = self._new_valid[:, None, :].expand(-1, st.valid.shape[1], -1)
+        st.valid = torch.cat([st.valid, nv], 2)
+
     @staticmethod
     def _queries(module, hs, cos, sin) -> torch.Tensor:
         """Post-RoPE queries [B, Hq, n, D] of ``hs`` [B, n, hidden], as the module computes them."""
@@ -374,7 +379,7 @@ class KVCompressor:
         self._reconstruct_softmax, self.reconstruct_span = softmax, None
         self._reconstruct_lse = {}
         try:
-            with attention_lse(self.model, self._reconstruct_lse):
+            with attention_lse(self.model, self._reconstruct_lse):  # queries (+ lse for "all")
                 forward_chunks()
         finally:
             self._reconstructing, self._reconstruct_lse = None, {}

@@ -116,10 +116,7 @@ class CompressedContext:
         self.prefill_seconds, self.compress_seconds = prefill_seconds, compress_seconds
         self.tokens_per_head = [_held(lay).tolist() for lay in self._layers]
         self.tokens_per_layer = [_mean(t) for t in self.tokens_per_head]
-        self.bytes_per_layer = [lay.nbytes() if isinstance(lay, RaggedLayer) else
-                                lay.keys.numel() * lay.keys.element_size()
-                                + lay.values.numel() * lay.values.element_size()
-                                for lay in self._layers]
+        self.bytes_per_layer = [hf.layer_bytes(cache, i) for i in range(len(self._layers))]
 
     @property
     def context_len(self) -> int:
