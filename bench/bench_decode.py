@@ -38,17 +38,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
-from timing import time_cpu_interleaved, time_cuda  # noqa: E402
+from common import rss_mib, time_cpu_interleaved, time_cuda  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # ---- per-step ---------------------------------------------------------------------------
@@ -205,7 +197,7 @@ def stream(args):
             kp.decode_scores(q, cache.k, cache.slot_pos, cache.seq_lens, cache.h2o_scores, v_cache=cache.v)
         if p + 1 in marks:
             now = time.perf_counter()
-            print(f"| {p + 1} | {rss_mb():.1f} | {(now - t0) / (p + 1 - last) * 1e6:.1f} |")
+            print(f"| {p + 1} | {rss_mib():.1f} | {(now - t0) / (p + 1 - last) * 1e6:.1f} |")
             t0, last = now, p + 1
     # check against the reference: sinks + the last C - S positions, each with its own token
     want_pos = ref.streaming_cache_positions(args.tokens, C, S)

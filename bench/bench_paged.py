@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
-import timing  # noqa: E402
+import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 
@@ -136,9 +136,9 @@ def bench_cache(n, name, k, v, k_scale, q, reps, roof_ms, gen, device) -> list[d
              ("compact", "dense kp.gather_kv", lambda: kp.gather_kv(k, v, idx)),
              ("compact", "kp.paged.compact (in place)", lambda p=fresh_pools(): paged_compact(p))]
     if cuda:
-        t = [timing.time_cuda(c[2], repeats=reps, warmup=WARMUP_CUDA) for c in cases]
+        t = [common.time_cuda(c[2], repeats=reps, warmup=WARMUP_CUDA) for c in cases]
     else:
-        t = timing.time_cpu_interleaved([c[2] for c in cases], repeats=reps)
+        t = common.time_cpu_interleaved([c[2] for c in cases], repeats=reps)
     return [{"op": op, "n": n, "cache": name, "method": method, **r,
              **({"roofline_ms": roof_ms} if op == "window_scores" and not cuda else {})}
             for (op, method, _), r in zip(cases, t)]

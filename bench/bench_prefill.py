@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 import roofline  # noqa: E402
-import timing  # noqa: E402
+import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 
@@ -293,7 +293,7 @@ def mem_child(spec: dict) -> None:
         if spec.get("stage"):
             stage_inputs(cfg, inp)
         method = [m for m in build_methods(cfg, inp, with_lse) if m.name == name][0]
-        extra, retained, probe = timing.cpu_peak_extra_bytes(method.fn)
+        extra, retained, probe = common.cpu_peak_extra_bytes(method.fn)
     print("MEMRESULT " + json.dumps({"bytes": extra, "retained": retained, "probe": probe}),
           flush=True)
 
@@ -334,7 +334,7 @@ def run_config(cfg: Config, lse_modes: list[bool], args, copy_bw: Optional[float
         inp["lse"] = compute_lse(inp["q"], inp["k"])
     if not args.no_stages:
         stage_inputs(cfg, inp)
-    flush = timing.L2Flusher(device) if device.type == "cuda" else None
+    flush = common.L2Flusher(device) if device.type == "cuda" else None
     with torch.no_grad():  # the kept set every pipeline is compared with, and its scores
         reference_idx = peers.torch_best(inp["q"], inp["k"], inp["v"], cfg.budget,
                                          n_sink=cfg.n_sink, window=cfg.window,
@@ -369,12 +369,12 @@ def run_config(cfg: Config, lse_modes: list[bool], args, copy_bw: Optional[float
         if device.type == "cuda":
             for m, row in methods:
                 try:
-                    row.update(timing.time_cuda(m.fn, args.repeats, args.warmup, flush))
+                    row.update(common.time_cuda(m.fn, args.repeats, args.warmup, flush))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             methods = [(m, row) for m, row in methods if "error" not in row]
         else:
-            times = timing.time_cpu_interleaved([m.fn for m, _ in methods], args.repeats,
+            times = common.time_cpu_interleaved([m.fn for m, _ in methods], args.repeats,
                                                 args.warmup)
             for (m, row), t in zip(methods, times):
                 row.update(t)
@@ -392,7 +392,7 @@ def run_config(cfg: Config, lse_modes: list[bool], args, copy_bw: Optional[float
             break
         if device.type == "cuda":
             with torch.no_grad():
-                row["peak_extra_bytes"] = timing.cuda_peak_extra_bytes(m.fn)
+                row["peak_extra_bytes"] = common.cuda_peak_extra_bytes(m.fn)
             row["mem_probe"] = "cuda max_memory_allocated"
         elif m.group in ("peer", "reference", "ours"):
             (row["peak_extra_bytes"], row["resident_after_bytes"],
@@ -540,7 +540,7 @@ def main(argv=None) -> int:
     if not cuda:
         torch.set_num_threads(args.threads)
 
-    copy_bw = timing.cuda_copy_bandwidth() if cuda else None
+    copy_bw = common.cuda_copy_bandwidth() if cuda else None
     fma = None if cuda else roofline.measure(torch.get_num_threads())
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

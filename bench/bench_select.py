@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import timing  # noqa: E402
+import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
               f"build_info cuda={kp.build_info().get('cuda')}); nothing to do")
         return 0
 
-    copy_bw = timing.cuda_copy_bandwidth()
-    flush = timing.L2Flusher(torch.device("cuda"))
+    copy_bw = common.cuda_copy_bandwidth()
+    flush = common.L2Flusher(torch.device("cuda"))
     print(f"bench_select: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"rows {args.batch}x{args.heads}, budget {args.budget_frac:.0%}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             row = {"n": n, "budget": budget, "method": name, "bytes_model": nbytes}
             try:
                 results[name] = fn()
-                row.update(timing.time_cuda(fn, args.repeats, args.warmup, flush))
+                row.update(common.time_cuda(fn, args.repeats, args.warmup, flush))
             except Exception as e:  # noqa: BLE001  (report, keep going)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(f"{n:>9} {budget:>8}  {name:<26}ERROR {row['error']}", flush=True)

@@ -34,8 +34,7 @@ for _k, _v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.
     os.environ.setdefault(_k, _v)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _hf_common as common  # noqa: E402
-from eval_passkey import build_haystack, NEEDLE, QUESTION  # noqa: E402
+import common  # noqa: E402
 
 BLOCK = 32
 
@@ -47,8 +46,7 @@ def make_requests(tok, n_requests, n_tokens, seed):
     for _ in range(n_requests):
         key = str(rng.randrange(10000, 100000))
         depth = rng.uniform(0.1, 0.9)
-        ctx, qst, _ = build_haystack(tok, novels, n_tokens, [(depth, NEEDLE.format(key=key))],
-                                     QUESTION, rng)
+        ctx, qst, _ = common.build_prompt(tok, novels, n_tokens, depth, key, rng)
         reqs.append((ctx[0].tolist() + qst[0].tolist(), key))
     return reqs
 
@@ -171,8 +169,7 @@ def main() -> None:
     import kvprune_cuda as kp
 
     torch.set_num_threads(common.threads())
-    gguf = common.fetch_model.fetch_gguf(common.fetch_model.CACHE)
-    model_dir = str(common.fetch_model.convert_to_hf(gguf, common.fetch_model.CACHE))
+    model_dir = str(common.model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = make_requests(tok, args.requests, args.tokens, args.seed)
     settings = ([("vllm", {"enable_prefix_caching": False, "enable_chunked_prefill": False})]

@@ -44,9 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _hf_common as common  # noqa: E402
-import eval_passkey as pk  # noqa: E402
-import timing  # noqa: E402
+import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import hf, hf_context  # noqa: E402
@@ -113,13 +111,13 @@ class _KVzipScores:
         press = self.cls(compression_ratio=ratio, n_sink=n_sink, chunk_size=chunk_size)
 
         def go():
-            cache = pk.cache_from([])
+            cache = common.cache_from([])
             with press(model), torch.no_grad():
                 model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
             return cache
 
         t0 = time.perf_counter()
-        peak, _, _ = timing.cpu_peak_extra_bytes(go)
+        peak, _, _ = common.cpu_peak_extra_bytes(go)
         return press.kept_scores, time.perf_counter() - t0, peak
 
     def apply(self, model, scores, ratio, layerwise, n_sink):
@@ -136,7 +134,7 @@ def clear_masks(model):
 def ask(model, tok, cache, qst, key, steps):
     with torch.no_grad():
         t0 = int(model(input_ids=qst, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
-        toks = pk.decode(model, cache, t0, steps, tok, key)
+        toks = common.decode(model, cache, t0, steps, tok, key)
     text = tok.decode(toks)
     return {"text": text, "hit": key in text, "toks": toks}
 
@@ -146,7 +144,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
     KVzip's timing (part "kvpress-kvzip")."""
     n_layers, n = len(kvc.attn), ctx.shape[1]
     ours = args.part in ("all", "ours")
-    cache = pk.cache_from([])
+    cache = common.cache_from([])
     kvc.attach()
     rec.__init__(model, args.window + 1)
     with torch.no_grad():
@@ -157,7 +155,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
             prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
             kvc.score_reconstruction(lambda: hf_context._reconstruct(
                 kvc, cache, prompt, ctx, args.chunk_size), gqa="max", softmax=args.kvzip_softmax)
-    snap, kv = kvc.snapshot(), pk.layers_of(cache, n_layers)
+    snap, kv = kvc.snapshot(), common.layers_of(cache, n_layers)
     del cache
     res, extra = {}, {}
     attn = {m.layer_idx: m for m in kvc.attn}
@@ -172,7 +170,7 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
             kvc.layers[i].valid = torch.ones(kv[i][0].shape[:3], dtype=torch.bool)
             kvc.layers[i].h2o = None
         kvc.policy = "snapkv"  # no decode-time eviction
-        return pk.cache_from(kv)
+        return common.cache_from(kv)
 
     def record(name, c, r=None):
         tl, nb = held(c)
@@ -184,14 +182,14 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
         kb = hf.resolve_budget(frac, n)
         for pol, scope in selected(OURS, args):
             kvc.restore(snap)
-            c = pk.cache_from(kv)
+            c = common.cache_from(kv)
             kvc.window = args.kvzip_window if pol == "kvzip" else args.window
             hf_context._compress(kvc, c, pol, kb, scope, n)
             kvc.window = args.window
             record(name_of(pol, scope, frac, args.kvzip_softmax), c)
         if kvz is not None and "kvpress-snapkv" in args.policies:
             c = as_full_cache()
-            pk.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
+            common.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
                                                    window_size=args.window,
                                                    kernel_size=args.kernel_size),
                            kvc, c, rec_ctx, attn)
@@ -225,7 +223,7 @@ def time_ours(model, tok, ctx, qst, key, args):
     out = {}
 
     def plain():
-        cache = pk.cache_from([])
+        cache = common.cache_from([])
         with torch.no_grad():
             model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
         return cache
@@ -246,7 +244,7 @@ def time_ours(model, tok, ctx, qst, key, args):
             return None
 
         t0 = time.perf_counter()
-        peak, _, _ = timing.cpu_peak_extra_bytes(call)
+        peak, _, _ = common.cpu_peak_extra_bytes(call)
         out[f"{name}_seconds"], out[f"{name}_peak_extra_bytes"] = time.perf_counter() - t0, peak
         if name == "kvzip":
             kvc = box["v"]
@@ -266,7 +264,7 @@ def multi_question(model, tok, novels, rng, args):
     depths = (0.2, 0.5, 0.8)
     needles = [(d, f" The {c} pass key is {keys[c]}. Remember it. {keys[c]} is the {c} pass key. ")
                for d, c in zip(depths, COLORS)]
-    ctx, _, novel = pk.build_haystack(tok, novels, args.tokens[0], needles, "", rng, "")
+    ctx, _, novel = common.build_haystack(tok, novels, args.tokens[0], needles, "", rng, "")
     qs = {}
     head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
                                    add_generation_prompt=True)
@@ -375,7 +373,7 @@ def table(data) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pk.add_trial_args(ap)
+    common.add_trial_args(ap)
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--kvzip-softmax", choices=hf.SOFTMAX, default="chunk",
                     help="keys kvzip's reconstruction softmax covers (compress_context's softmax=)")
@@ -416,7 +414,7 @@ def main() -> None:
     kvc = hf.KVCompressor(model, "full", 1.0, n_sink=args.n_sink, window=args.window,
                           kernel_size=args.kernel_size, compress_on_prefill=False,
                           track_h2o=args.part != "kvpress-kvzip")
-    rec = pk.Recorder(model, args.window + 1)
+    rec = common.Recorder(model, args.window + 1)
     rec.remove()
     rng = random.Random(args.seed)
     jobs = [(n, d) for n in args.tokens for d in args.depths for _ in range(args.trials_per_depth)]
@@ -426,7 +424,7 @@ def main() -> None:
     bar = tqdm(jobs, desc="query-agnostic passkey", unit="trial")
     for j, (n, depth) in enumerate(bar):
         key = str(rng.randrange(10000, 100000))
-        ctx, qst, novel = pk.build_prompt(tok, novels, n, depth, key, rng)
+        ctx, qst, novel = common.build_prompt(tok, novels, n, depth, key, rng)
         if args.only_trials is not None and j not in args.only_trials:
             continue  # the prompt was still drawn, so later trials get the same ones
         t0 = time.perf_counter()
@@ -446,8 +444,8 @@ def main() -> None:
             tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
         rec_j["seconds"] = time.perf_counter() - t0
         gc.collect()
-        timing._malloc_trim()
-        rec_j["rss_after_mib"] = (timing._proc_status_kb("VmRSS") or 0) / 1024
+        common.malloc_trim()
+        rec_j["rss_after_mib"] = common.rss_mib()
         data["records"].append(rec_j)
         for c, r in res.items():
             hits.setdefault(c, []).append(r["hit"])

@@ -36,104 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _hf_common as common  # noqa: E402
+import common  # noqa: E402
+from common import (Recorder, add_trial_args, apply_press, build_prompt,  # noqa: E402,F401
+                    cache_from, decode, layers_of)
 
 import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402
-
-PREAMBLE = "Below is a long text. Read it carefully; a question about it follows.\n\n"
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key mentioned in the text above? Answer with the number only."
-ANSWER_PREFIX = "The pass key is"
-
-
-def build_prompt(tok, novels, n_tokens, depth, key, rng):
-    """(context ids, question ids): chat-formatted, haystack of ~n_tokens with the needle at depth."""
-    return build_haystack(tok, novels, n_tokens, [(depth, NEEDLE.format(key=key))], QUESTION, rng)
-
-
-def build_haystack(tok, novels, n_tokens, needles, question, rng, answer_prefix=ANSWER_PREFIX):
-    """(context ids [1, n], question ids [1, q], novel): ``needles`` [(depth, text)] hidden in a
-    random stretch of a novel; the prompt totals ~n_tokens (template, question included)."""
-    head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
-                                   add_generation_prompt=True)
-    pre, post = head.split("@@")
-    ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
-    name = rng.choice(sorted(novels))
-    text = novels[name]
-    start = rng.randrange(0, len(text) - 8 * n_tokens)
-    hay = ids(" ".join(text[start: start + 6 * n_tokens].split()))
-    p_ids, q_ids = ids(pre + PREAMBLE), ids(question + post + answer_prefix)
-    pieces = sorted((d, ids(t)) for d, t in needles)
-    hay = hay[:n_tokens - len(p_ids) - len(q_ids) - sum(len(t) for _, t in pieces)]
-    ctx, last = list(p_ids), 0
-    for depth, needle in pieces:
-        cut = int(round(depth * len(hay)))
-        ctx += hay[last:cut] + needle
-        last = cut
-    ctx += hay[last:]
-    return torch.tensor([ctx]), torch.tensor([q_ids]), name
-
-
-class Recorder:
-    """Keeps, per layer, the last ``n`` layer inputs and RoPE cos/sin (what kvpress.compress reads)."""
-
-    def __init__(self, model, n):
-        self.n, self.data, self.handles = n, {}, []
-        for m in hf.KVCompressor(model, "full").attn:
-            self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
-
-    def _hook(self, mod, args, kwargs, out):
-        hs = kwargs["hidden_states"][:, -self.n:]
-        cos, sin = (t[:, -self.n:] for t in kwargs["position_embeddings"])
-        old = self.data.get(mod.layer_idx)
-        if old is not None:
-            hs, cos, sin = (torch.cat([a, b], 1)[:, -self.n:] for a, b in zip(old, (hs, cos, sin)))
-        self.data[mod.layer_idx] = (hs, cos, sin)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def cache_from(layers_kv):
-    from transformers import DynamicCache
-
-    c = DynamicCache()
-    for i, (k, v) in enumerate(layers_kv):
-        c.update(k, v, i)
-    return c
-
-
-def layers_of(cache, n_layers):
-    return [hf.cache_kv(cache, i) for i in range(n_layers)]
-
-
-def apply_press(press, kvc, cache, recorded, attn) -> None:
-    """A kvpress press's ``compress`` on every layer of ``cache`` with the recorded layer inputs;
-    the hooks are told every kept slot is valid and not to evict while decoding (kvpress
-    compresses the prefill only)."""
-    for i in range(len(attn)):
-        hs, cos, sin = recorded[i]
-        k, v = hf.cache_kv(cache, i)
-        k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
-        hf.set_cache_kv(cache, i, k2.contiguous(), v2.contiguous())
-        kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
-        kvc.layers[i].h2o = None
-    kvc.policy = "snapkv"
-
-
-@torch.no_grad()
-def decode(model, cache, first_token, steps, tok=None, key=None):
-    """Greedy decode; stops early once ``key`` appears in the text."""
-    out = [first_token]
-    for _ in range(steps - 1):
-        if key is not None and key in tok.decode(out):
-            break
-        lg = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
-        out.append(int(lg[0, -1].argmax()))
-    return out
-
 
 def run_trial(model, tok, kvc, rec, ctx, qst, key, budgets, presses, gen_steps):
     """{setting: {config: (answer text, hit, kv bytes held after the prompt)}}."""
@@ -181,21 +89,6 @@ def run_trial(model, tok, kvc, rec, ctx, qst, key, budgets, presses, gen_steps):
                 toks = decode(model, c, t0, gen_steps, tok, key)
             score(setting, name, toks, held)
     return res
-
-
-def add_trial_args(ap: argparse.ArgumentParser) -> None:
-    """The passkey options eval_passkey.py and eval_context.py share."""
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="prompt lengths")
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    ap.add_argument("--trials-per-depth", type=int, default=4)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
-    ap.add_argument("--n-sink", type=int, default=4)
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--kernel-size", type=int, default=7)
-    ap.add_argument("--gen-steps", type=int, default=7)
-    ap.add_argument("--no-kvpress", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
 
 
 def main() -> None:

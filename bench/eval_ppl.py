@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _hf_common as common  # noqa: E402
+import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402

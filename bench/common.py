@@ -1,0 +1,467 @@
+"""Helpers every bench/ script shares: one place for each.
+
+* the run's description: ``commit`` / ``dirty`` of the checkout, ``cpu_name``, ``machine``,
+  ``run_meta`` (command line, commit, machine, date) and ``write_json`` (a result file with it);
+* timers: ``time_cpu``, ``time_cpu_interleaved``, ``time_cuda`` (CUDA events, L2 flushed in
+  between), ``cuda_copy_bandwidth``;
+* memory: ``rss_mib`` (current), ``peak_rss_mib`` (this process's high-water mark),
+  ``cpu_peak_extra_bytes`` (peak extra RSS of one call, run it in a fresh process),
+  ``cuda_peak_extra_bytes`` (caching allocator statistics);
+* the real-model evaluations (eval_passkey.py, eval_ppl.py, eval_context.py, bench_vllm.py):
+  ``load_model``, ``load_novels``, ``threads``, the pass-key prompts (``build_prompt``,
+  ``build_haystack``) and the HF cache plumbing (``Recorder``, ``cache_from``, ``layers_of``,
+  ``apply_press``, ``decode``, ``add_trial_args``).
+
+Model and text come from the project's fetch scripts (``scripts/fetch_model.py``,
+``scripts/fetch_text.py``), cached under ``.cache/`` -- nothing is downloaded by hand.
+
+CPU timing: time.perf_counter around each call; peak extra memory in a fresh process (see
+``cpu_peak_extra_bytes``). CUDA: CUDA events around each call with the L2 flushed in between,
+peak extra memory from the caching allocator's statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# ---------------------------------------------------------------------------------------------
+# the run: checkout, machine, result files
+# ---------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=10).stdout
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def commit() -> str:
+    """The checkout's short commit (a read-only query), "unknown" outside a git tree."""
+    out = _git("rev-parse", "--short", "HEAD")
+    return out.strip() if out else "unknown"
+
+
+def dirty() -> Optional[bool]:
+    """Whether tracked files differ from that commit (None outside a git tree)."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else bool(out.strip())
+
+
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name, else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def machine() -> str:
+    """CPU, torch threads, torch and transformers versions, on one line."""
+    try:
+        tf = __import__("transformers").__version__
+    except ImportError:
+        tf = "absent"
+    return (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"transformers {tf}")
+
+
+_META: dict = {}
+
+
+def run_meta() -> dict:
+    """What every result file records about its run: command line, commit, dirty flag, machine,
+    and the date of the first call (the run's start: later calls return the same values)."""
+    if not _META:
+        _META.update({"command": " ".join(sys.argv), "commit": commit(), "dirty": dirty(),
+                      "machine": machine(),
+                      "date": datetime.datetime.now().isoformat(timespec="seconds")})
+    return dict(_META)
+
+
+def write_json(path: Path, data: dict, indent: Optional[int] = 1) -> None:
+    """Writes ``data`` as JSON to ``path`` (folders made as needed) with ``run_meta()`` added
+    under each key ``data`` does not set itself: into ``data["meta"]`` where there is one, else
+    at the top level."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data.get("meta"), dict):
+        data = {**data, "meta": {**run_meta(), **data["meta"]}}
+    else:
+        data = {**run_meta(), **data}
+    path.write_text(json.dumps(data, indent=indent))
+
+
+def threads() -> int:
+    """Torch threads of the real-model evaluations: $KVPRUNE_THREADS, default 2."""
+    return int(os.environ.get("KVPRUNE_THREADS", "2"))
+
+
+# ---------------------------------------------------------------------------------------------
+# timers
+# ---------------------------------------------------------------------------------------------
+
+
+def summarize(seconds: list[float]) -> dict:
+    """Median / min / max of a list of per-call times, in milliseconds."""
+    ms = [s * 1e3 for s in seconds]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
+            "reps": len(ms)}
+
+
+def time_cpu(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict:
+    """Wall time of ``fn()`` on the host: ``warmup`` untimed calls, then ``repeats`` timed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return summarize(times)
+
+
+def time_cpu_interleaved(fns: list[Callable[[], object]], repeats: int = 5,
+                         warmup: int = 1) -> list[dict]:
+    """Like ``time_cpu`` for several functions, their reps interleaved round-robin.
+
+    On a shared, noisy host, load from other processes then lands on every function alike,
+    which keeps same-run ratios meaningful even when absolute times drift.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [summarize(ts) for ts in times]
+
+
+class L2Flusher:
+    """Writes a buffer larger than the L2 (H200: 60 MB) so the next call starts cold."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20):
+        self.buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+def time_cuda(fn: Callable[[], object], repeats: int = 20, warmup: int = 3,
+              flush: Optional[L2Flusher] = None) -> dict:
+    """Device time of ``fn()`` between two CUDA events on the current stream.
+
+    All reps are queued without host syncs (the flush before each rep, outside its events, keeps
+    the queue ahead of the GPU so launch latency is hidden as in a real engine); one sync at the
+    end. Returns median / min / max ms.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for i in range(repeats):
+        if flush is not None:
+            flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)])
+
+
+# ---------------------------------------------------------------------------------------------
+# bandwidth ceiling
+# ---------------------------------------------------------------------------------------------
+
+
+def cuda_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written.
+
+    ``dst.copy_(src)`` of a ``nbytes`` buffer, median of ``repeats`` after warm-up.
+    """
+    src = torch.randn(nbytes // 4, device="cuda")  # random, never zeros
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src), repeats=repeats, warmup=3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (t["median_ms"] / 1e3)
+
+
+# ---------------------------------------------------------------------------------------------
+# peak extra memory
+# ---------------------------------------------------------------------------------------------
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes the caching allocator hands out during ``fn()`` beyond what was live before.
+
+    Outputs count (they are part of the extra memory a call needs); inputs do not.
+    """
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def proc_status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_hwm() -> bool:
+    """Resets this process's peak RSS (VmHWM) via /proc/self/clear_refs (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_mib() -> float:
+    """This process's resident size now (VmRSS), MiB; nan where /proc is missing."""
+    kb = proc_status_kb("VmRSS")
+    return float("nan") if kb is None else kb / 1024
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident size so far (ru_maxrss), MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, int, str]:
+    """Peak resident bytes during ``fn()`` above the resident size before it, and the bytes
+    still resident once its outputs are freed (what the call keeps: kvprune's per-thread CPU
+    workspace). Run in a fresh process, with the inputs already built (and touched) first.
+
+    Preferred probe: reset VmHWM, call, read VmHWM, minus VmRSS before the call (exact for this
+    call). Fallback: ru_maxrss after the call minus ru_maxrss before it (a high-water mark
+    that also holds whatever peak building the inputs reached, so it can under-report).
+    Run the child with MALLOC_MMAP_THRESHOLD_ set so freed buffers leave the RSS instead of
+    staying in malloc's heap for reuse. Returns (peak bytes, resident-after bytes, method).
+    """
+    gc.collect()
+    malloc_trim()
+    rss_kb = proc_status_kb("VmRSS")
+
+    def resident_after() -> int:
+        gc.collect()
+        malloc_trim()
+        return (proc_status_kb("VmRSS") - rss_kb) * 1024
+
+    if rss_kb is not None and reset_hwm() and proc_status_kb("VmHWM") is not None:
+        out = fn()
+        peak_kb = proc_status_kb("VmHWM")
+        del out
+        return (peak_kb - rss_kb) * 1024, resident_after(), "VmHWM"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = fn()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del out
+    return (after - before) * 1024, resident_after(), "ru_maxrss"
+
+
+# ---------------------------------------------------------------------------------------------
+# real model and text
+# ---------------------------------------------------------------------------------------------
+
+
+def _fetch(name: str):
+    """scripts/fetch_model.py or scripts/fetch_text.py, imported on first use."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return __import__(name)
+
+
+def model_dir() -> Path:
+    """The cached HF copy of Qwen2.5-Coder-0.5B-Instruct (fetched and converted if needed)."""
+    fetch_model = _fetch("fetch_model")
+    gguf = fetch_model.fetch_gguf(fetch_model.CACHE)
+    return fetch_model.convert_to_hf(gguf, fetch_model.CACHE)
+
+
+def load_model(dtype: str = "bfloat16"):
+    """(model, tokenizer) of the cached HF copy of Qwen2.5-Coder-0.5B-Instruct (fetches it if needed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").eval()
+    return model, tok
+
+
+def load_novels() -> dict[str, str]:
+    fetch_text = _fetch("fetch_text")
+    d = fetch_text.fetch(fetch_text.CACHE)
+    return {n: (d / f"{n}.txt").read_text(encoding="utf-8") for n in fetch_text.NOVELS}
+
+
+# ---------------------------------------------------------------------------------------------
+# pass-key prompts
+# ---------------------------------------------------------------------------------------------
+
+PREAMBLE = "Below is a long text. Read it carefully; a question about it follows.\n\n"
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key mentioned in the text above? Answer with the number only."
+ANSWER_PREFIX = "The pass key is"
+
+
+def build_prompt(tok, novels, n_tokens, depth, key, rng):
+    """(context ids, question ids): chat-formatted, haystack of ~n_tokens with the needle at depth."""
+    return build_haystack(tok, novels, n_tokens, [(depth, NEEDLE.format(key=key))], QUESTION, rng)
+
+
+def build_haystack(tok, novels, n_tokens, needles, question, rng, answer_prefix=ANSWER_PREFIX):
+    """(context ids [1, n], question ids [1, q], novel): ``needles`` [(depth, text)] hidden in a
+    random stretch of a novel; the prompt totals ~n_tokens (template, question included)."""
+    head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
+                                   add_generation_prompt=True)
+    pre, post = head.split("@@")
+    ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    name = rng.choice(sorted(novels))
+    text = novels[name]
+    start = rng.randrange(0, len(text) - 8 * n_tokens)
+    hay = ids(" ".join(text[start: start + 6 * n_tokens].split()))
+    p_ids, q_ids = ids(pre + PREAMBLE), ids(question + post + answer_prefix)
+    pieces = sorted((d, ids(t)) for d, t in needles)
+    hay = hay[:n_tokens - len(p_ids) - len(q_ids) - sum(len(t) for _, t in pieces)]
+    ctx, last = list(p_ids), 0
+    for depth, needle in pieces:
+        cut = int(round(depth * len(hay)))
+        ctx += hay[last:cut] + needle
+        last = cut
+    ctx += hay[last:]
+    return torch.tensor([ctx]), torch.tensor([q_ids]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# HF cache plumbing of the evaluations
+# ---------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Keeps, per layer, the last ``n`` layer inputs and RoPE cos/sin (what kvpress.compress reads)."""
+
+    def __init__(self, model, n):
+        from kvprune_cuda import hf
+
+        self.n, self.data, self.handles = n, {}, []
+        for m in hf.KVCompressor(model, "full").attn:
+            self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+
+    def _hook(self, mod, args, kwargs, out):
+        hs = kwargs["hidden_states"][:, -self.n:]
+        cos, sin = (t[:, -self.n:] for t in kwargs["position_embeddings"])
+        old = self.data.get(mod.layer_idx)
+        if old is not None:
+            hs, cos, sin = (torch.cat([a, b], 1)[:, -self.n:] for a, b in zip(old, (hs, cos, sin)))
+        self.data[mod.layer_idx] = (hs, cos, sin)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def cache_from(layers_kv):
+    from transformers import DynamicCache
+
+    c = DynamicCache()
+    for i, (k, v) in enumerate(layers_kv):
+        c.update(k, v, i)
+    return c
+
+
+def layers_of(cache, n_layers):
+    from kvprune_cuda import hf
+
+    return [hf.cache_kv(cache, i) for i in range(n_layers)]
+
+
+def apply_press(press, kvc, cache, recorded, attn) -> None:
+    """A kvpress press's ``compress`` on every layer of ``cache`` with the recorded layer inputs;
+    the hooks are told every kept slot is valid and not to evict while decoding (kvpress
+    compresses the prefill only)."""
+    from kvprune_cuda import hf
+
+    for i in range(len(attn)):
+        hs, cos, sin = recorded[i]
+        k, v = hf.cache_kv(cache, i)
+        k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
+        hf.set_cache_kv(cache, i, k2.contiguous(), v2.contiguous())
+        kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
+        kvc.layers[i].h2o = None
+    kvc.policy = "snapkv"
+
+
+@torch.no_grad()
+def decode(model, cache, first_token, steps, tok=None, key=None):
+    """Greedy decode; stops early once ``key`` appears in the text."""
+    out = [first_token]
+    for _ in range(steps - 1):
+        if key is not None and key in tok.decode(out):
+            break
+        lg = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
+        out.append(int(lg[0, -1].argmax()))
+    return out
+
+
+def add_trial_args(ap: argparse.ArgumentParser) -> None:
+    """The passkey options eval_passkey.py and eval_context.py share."""
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="prompt lengths")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--trials-per-depth", type=int, default=4)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    ap.add_argument("--n-sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--kernel-size", type=int, default=7)
+    ap.add_argument("--gen-steps", type=int, default=7)
+    ap.add_argument("--no-kvpress", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
