@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs the README's commands that need no download, as a new user would: in a fresh clone of
-# this repository, in order, with the environment the README's own scripts create. Exits
-# non-zero on the first failure. CI calls it; it takes about 3-4 minutes on 2 cores (most of
+# Runs the commands of README.md and docs/*.md that need no download, as a new user would: in a
+# fresh clone of this repository, in order, with the environment the README's own scripts create. Exits
+# non-zero on the first failure. CI calls it; it takes about 4 minutes on 2 cores (most of
 # it creating the virtual environment and building the package once).
 #
 #   bash scripts/check_readme_commands.sh [SOURCE_REPO]    (default: this repository)
@@ -11,10 +11,11 @@
 #                     is still built from the fresh clone and installed into it)
 #   KEEP_CLONE=1      leave the clone (its path is printed) instead of deleting it
 #
-# Every command line of the README's ```bash blocks must be listed below, either as run here
-# (RUN: checked with the arguments shown) or as needing a download (DOWNLOAD: not run), so a
-# new README command cannot go unchecked. Every ```python block is run, except those that load
-# the downloaded model (they mention .cache/models).
+# Every command line of the ```bash blocks of README.md and docs/*.md must be listed below,
+# either as run here (RUN: checked with the arguments shown) or as needing a download
+# (DOWNLOAD: not run), so a new documented command cannot go unchecked. Every ```python block
+# of those files is run, except those that load the downloaded model (they mention
+# .cache/models).
 set -euo pipefail
 SRC=$(cd "${1:-$(dirname "$0")/..}" && pwd)
 WORK=$(mktemp -d /tmp/kvprune-readme-XXXXXX)
@@ -23,7 +24,7 @@ trap cleanup EXIT
 start=$SECONDS
 step() { echo; echo "=== [$((SECONDS - start)) s] $*"; }
 
-# README command (verbatim prefix) -> what this check runs for it
+# documented command (verbatim prefix) -> what this check runs for it
 RUN_PREFIXES=(
   "bash scripts/test.sh"
   "bash scripts/bench.sh"
@@ -44,22 +45,25 @@ DOWNLOAD_PREFIXES=(
 step "fresh clone of $SRC ($(git -C "$SRC" rev-parse --short HEAD))"
 git clone -q "$SRC" "$WORK/clone"
 cd "$WORK/clone"
-README=README.md
+DOCS=(README.md docs/*.md)  # the files whose commands and python blocks are checked
 
-step "every README bash command is classified"
-python3 - "$README" "${RUN_PREFIXES[@]}" -- "${DOWNLOAD_PREFIXES[@]}" <<'PY'
+step "every bash command of ${DOCS[*]} is classified"
+python3 - "${DOCS[@]}" -- "${RUN_PREFIXES[@]}" -- "${DOWNLOAD_PREFIXES[@]}" <<'PY'
 import re, sys
-readme, rest = sys.argv[1], sys.argv[2:]
-sep = rest.index("--")
-known = rest[:sep] + rest[sep + 1:]
-blocks = re.findall(r"```bash\n(.*?)```", open(readme).read(), re.S)
-lines = [l.split("#", 1)[0].strip() for b in blocks for l in b.splitlines()]
-bad = [l for l in lines if l and not any(l.startswith(k) for k in known)]
-missing = [k for k in known if not any(l.startswith(k) for l in lines)]
-for l in bad:
-    print(f"README command not classified in check_readme_commands.sh: {l!r}")
+args = sys.argv[1:]
+s1 = args.index("--")
+s2 = args.index("--", s1 + 1)
+docs, known = args[:s1], args[s1 + 1:s2] + args[s2 + 1:]
+lines = []
+for doc in docs:
+    for b in re.findall(r"```bash\n(.*?)```", open(doc).read(), re.S):
+        lines += [(doc, l.split("#", 1)[0].strip()) for l in b.splitlines()]
+bad = [(d, l) for d, l in lines if l and not any(l.startswith(k) for k in known)]
+missing = [k for k in known if not any(l.startswith(k) for _, l in lines)]
+for d, l in bad:
+    print(f"{d}: command not classified in check_readme_commands.sh: {l!r}")
 for k in missing:
-    print(f"check_readme_commands.sh lists a command the README no longer has: {k!r}")
+    print(f"check_readme_commands.sh lists a command no documentation file has: {k!r}")
 sys.exit(1 if bad or missing else 0)
 PY
 
@@ -79,28 +83,30 @@ step ". .venv/bin/activate && pip install --no-build-isolation --no-deps .   (RE
 . .venv/bin/activate
 pip install -q --no-build-isolation --no-deps . > "$WORK/pip.log" 2>&1 || { tail -n 40 "$WORK/pip.log"; exit 1; }
 
-step "README python blocks (outside the source tree, so the installed package is imported)"
-python3 - "$README" "$WORK" <<'PY'
-import re, sys
-readme, work = sys.argv[1], sys.argv[2]
-blocks = re.findall(r"```python\n(.*?)```", open(readme).read(), re.S)
+step "python blocks of ${DOCS[*]} (outside the source tree, so the installed package is imported)"
+mkdir "$WORK/blocks"
+python3 - "$WORK/blocks" "${DOCS[@]}" <<'PY'
+import os, re, sys
+out, docs = sys.argv[1], sys.argv[2:]
 n = 0
-for i, b in enumerate(blocks):
-    if ".cache/models" in b:
-        print(f"block {i}: loads the downloaded model, not run here")
-        continue
-    if b.lstrip().startswith(">>>"):  # an interactive session: run its input lines
-        b = "import kvprune_cuda as kp\n" + "\n".join(
-            l[4:] for l in b.splitlines() if l.startswith(">>> "))
-    with open(f"{work}/block{i}.py", "w") as f:
-        f.write(b)
-    n += 1
+for doc in docs:
+    name = os.path.splitext(doc)[0].replace("/", "_")
+    for i, b in enumerate(re.findall(r"```python\n(.*?)```", open(doc).read(), re.S)):
+        if ".cache/models" in b:
+            print(f"{doc} block {i}: loads the downloaded model, not run here")
+            continue
+        if b.lstrip().startswith(">>>"):  # an interactive session: run its input lines
+            b = "import kvprune_cuda as kp\n" + "\n".join(
+                l[4:] for l in b.splitlines() if l.startswith(">>> "))
+        n += 1
+        with open(f"{out}/{n:02d}_{name}_block{i}.py", "w") as f:
+            f.write(b)
 print(f"{n} python blocks to run")
 PY
-for f in "$WORK"/block*.py; do
+for f in "$WORK"/blocks/*.py; do
   echo "--- $(basename "$f")"
   (cd "$WORK" && python "$f")
 done
 
 echo
-echo "README commands OK in $((SECONDS - start)) s"
+echo "README and docs commands OK in $((SECONDS - start)) s"
