@@ -27,7 +27,6 @@ On CUDA each row is timed alone with CUDA events (3 warmup calls, L2 not flushed
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -171,8 +170,8 @@ def main() -> None:
         rows += bench_n(n, args.reps, fma["gflops"] if fma else float("nan"), args.device)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "fma": fma, "rows": rows,
-                                         "threads": torch.get_num_threads()}, indent=1))
+        common.write_json(args.json, {"device": args.device, "fma": fma, "rows": rows,
+                                      "threads": torch.get_num_threads()})
 
 
 def table(rows: list[dict]) -> str:

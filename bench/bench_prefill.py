@@ -23,7 +23,6 @@ overlap of the kept set with torch_best.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -461,38 +460,11 @@ def print_row(r: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def git_commit() -> Optional[str]:
-    """The checkout's commit (read-only query), or None outside a git tree."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def parse_n(text: str) -> int:
-    text = text.strip().lower()
-    mult = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
-    return int(text[:-1] if mult > 1 else text) * mult
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--n", nargs="+", type=parse_n, default=None,
+    p.add_argument("--n", nargs="+", type=common.parse_n, default=None,
                    help="cache lengths (e.g. 8192 32k); default CPU 32768, CUDA 8k 32k 128k 512k")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default float32 on CPU, bfloat16 on CUDA")
@@ -543,9 +515,8 @@ def main(argv=None) -> int:
     copy_bw = common.cuda_copy_bandwidth() if cuda else None
     fma = None if cuda else roofline.measure(torch.get_num_threads())
     meta = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "argv": sys.argv[1:], "device": device,
-        "device_name": torch.cuda.get_device_name() if cuda else cpu_name(), "commit": git_commit(),
+        **common.run_meta(), "argv": sys.argv[1:], "device": device,
+        "device_name": torch.cuda.get_device_name() if cuda else common.cpu_name(),
         "torch": torch.__version__, "python": platform.python_version(), "build_info": info,
         "threads": torch.get_num_threads() if not cuda else None, "dtype": args.dtype,
         "batch": args.batch, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
@@ -597,8 +568,7 @@ def main(argv=None) -> int:
               f"{meta['loadavg_end']:.1f} on {os.cpu_count()} cores: CPU times are only comparable "
               "within one run")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "rows": all_rows}, indent=1))
+        common.write_json(args.json, {"meta": meta, "rows": all_rows})
         print(f"\nwrote {args.json}")
     return 0
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 B, HQ, HKV, W, D, N = 1, 14, 2, 2048, 64, 6000
 
@@ -77,16 +79,12 @@ def run_one(method: str, dtype: str, reps: int) -> dict:
     fn = (lambda q, k: (ours if method.startswith("kvprune") else peer)(q, k, lse))  # noqa: E731
     if method.startswith("kvprune"):
         import kvprune_cuda  # noqa: F401  (load the library before the baseline RSS)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = common.peak_rss_mib()
     result = fn(q, k)  # warm-up (and the peak)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(q, k)
-        times.append(time.perf_counter() - t0)
-    return {"method": method, "dtype": dtype, "ms": 1e3 * min(times),
-            "peak_extra_mb": (peak - base) / 1024, "checksum": float(result.double().sum())}
+    peak = common.peak_rss_mib()
+    t = common.time_cpu(lambda: fn(q, k), repeats=reps, warmup=0)
+    return {"method": method, "dtype": dtype, "ms": t["min_ms"],
+            "peak_extra_mb": peak - base, "checksum": float(result.double().sum())}
 
 
 def main() -> None:

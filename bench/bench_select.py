@@ -14,7 +14,6 @@ CUDA only: without a GPU it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -58,15 +57,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor, length: int) -> float:
     return float(((ma & mb).sum(1).float() / mb.sum(1).float()).mean())
 
 
-def parse_n(text: str) -> int:
-    text = text.strip().lower()
-    mult = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
-    return int(text[:-1] if mult > 1 else text) * mult
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", nargs="+", type=parse_n, default=[32768, 131072, 524288, 1048576])
+    p.add_argument("--n", nargs="+", type=common.parse_n, default=[32768, 131072, 524288, 1048576])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--budget-frac", type=float, default=0.15)
@@ -142,8 +135,8 @@ def main(argv=None) -> int:
         del scores, results
         torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "copy_bw_gbps": copy_bw / 1e9, "rows": rows}, indent=1))
+        common.write_json(args.json, {"device": torch.cuda.get_device_name(),
+                                      "copy_bw_gbps": copy_bw / 1e9, "rows": rows})
         print(f"wrote {args.json}")
     return 0
 

@@ -4,7 +4,7 @@ fixed KV pool, dense and with kvprune_cuda.vllm's snapkv at several budgets.
 
 Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
 
-    .venv-vllm/bin/python bench/bench_vllm.py            # table + bench/vllm_concurrency.{json,png}
+    .venv-vllm/bin/python bench/bench_vllm.py            # table + bench/results/vllm_concurrency.{json,png}
 
 Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct, bf16; ~``--tokens``-token
 prompts from Jane Austen with a 5-digit pass key at a random depth and the question at the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
@@ -159,7 +158,7 @@ def main() -> None:
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense run (the x dense columns then read '-')")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "vllm_concurrency.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_concurrency.json")
     args = ap.parse_args()
 
     import torch
@@ -179,13 +178,12 @@ def main() -> None:
     settings += [(f"snapkv {int(b * 100)} %", kp.vllm.engine_args("snapkv", b))
                  for b in args.budgets]
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
-    meta = {"machine": common.machine(), "vllm": vllm.__version__, "commit": common.commit(),
+    meta = {**common.run_meta(), "vllm": vllm.__version__,
             "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),
-            "gen": args.gen, "pool_requests": args.pool_requests,
-            "command": " ".join(sys.argv)}
+            "gen": args.gen, "pool_requests": args.pool_requests}
     text = table(results, meta)
     print(text)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    common.write_json(args.out, {"meta": meta, "results": results})
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -115,6 +115,18 @@ def write_json(path: Path, data: dict, indent: Optional[int] = 1) -> None:
     path.write_text(json.dumps(data, indent=indent))
 
 
+def args_dict(args: argparse.Namespace) -> dict:
+    """``vars(args)`` with paths as strings (JSON-ready)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def parse_n(text: str) -> int:
+    """A token count with an optional k / m suffix (binary: 32k = 32768)."""
+    text = text.strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
+    return int(text[:-1] if mult > 1 else text) * mult
+
+
 def threads() -> int:
     """Torch threads of the real-model evaluations: $KVPRUNE_THREADS, default 2."""
     return int(os.environ.get("KVPRUNE_THREADS", "2"))

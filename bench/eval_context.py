@@ -393,7 +393,7 @@ def main() -> None:
                     help="our methods (and kvpress's SnapKVPress) to run; the full cache always runs")
     ap.add_argument("--table", type=Path, nargs="+",
                     help="only print the tables of earlier --out files (--part runs merged)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "context_results.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "context_results.json")
     args = ap.parse_args()
     if args.table:
         print(table(merge([_older_names(json.loads(f.read_text())) for f in args.table])))
@@ -418,8 +418,7 @@ def main() -> None:
     rec.remove()
     rng = random.Random(args.seed)
     jobs = [(n, d) for n in args.tokens for d in args.depths for _ in range(args.trials_per_depth)]
-    data = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "machine": common.machine(), "commit": common.commit(), "records": [], "multi": []}
+    data = {"args": common.args_dict(args), **common.run_meta(), "records": [], "multi": []}
     hits: dict = {}
     bar = tqdm(jobs, desc="query-agnostic passkey", unit="trial")
     for j, (n, depth) in enumerate(bar):
@@ -451,11 +450,11 @@ def main() -> None:
             hits.setdefault(c, []).append(r["hit"])
         bar.set_postfix({c: f"{sum(hits[c])}/{len(hits[c])}" for c in
                          ("full", "kvzip-head@10%", "kvzip-global@10%", "kvpress-kvzip@10%") if c in hits})
-        args.out.write_text(json.dumps(data, indent=1))
+        common.write_json(args.out, data)
     for _ in tqdm(range(args.multi_trials if args.part != "kvpress-kvzip" else 0),
                   desc="three questions", unit="context"):
         data["multi"].append(multi_question(model, tok, novels, rng, args))
-        args.out.write_text(json.dumps(data, indent=1))
+        common.write_json(args.out, data)
     print(table(data))
     print(f"wrote {args.out}")
 

@@ -27,7 +27,6 @@ each layer's prefill anyway, so prefill activations are identical for every poli
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -97,7 +96,7 @@ def main() -> None:
     ap.add_argument("--check-generate", type=int, default=1,
                     help="trials on which plain model.generate and kp.hf.compress(...) + generate "
                          "are also run and compared with the shared-prefill answers")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "passkey_results.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "passkey_results.json")
     args = ap.parse_args()
 
     from tqdm import tqdm
@@ -138,10 +137,8 @@ def main() -> None:
         if j < args.check_generate:
             checks.append(check_generate(model, tok, kvc, rec, ctx, qst, res, args))
             tqdm.write(f"check: {checks[-1]}")
-        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                 for k, v in vars(args).items()},
-                                        "machine": common.machine(), "commit": common.commit(),
-                                        "checks": checks, "records": records}, indent=1))
+        common.write_json(args.out, {"args": common.args_dict(args), "checks": checks,
+                                     "records": records})
     print(f"wrote {args.out}")
 
 

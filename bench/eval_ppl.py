@@ -16,7 +16,6 @@ KV bytes held (largest over the run).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -65,7 +64,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "ppl_results.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "ppl_results.json")
     args = ap.parse_args()
 
     from tqdm import tqdm
@@ -98,10 +97,7 @@ def main() -> None:
                              "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held})
                 tqdm.write(f"{name} {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
-        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                 for k, v in vars(args).items()},
-                                        "machine": common.machine(), "commit": common.commit(),
-                                        "rows": rows}, indent=1))
+        common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
     bar.close()
     print(table(rows, args))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables of a bench/eval_passkey.py result file, as bench/RESULTS.md quotes them.
 
-    python bench/passkey_table.py bench/passkey_results.json
+    python bench/passkey_table.py bench/results/passkey_results.json
 
 1) hits and mean KV held per policy@budget, query-aware and query-agnostic; 2) hits by needle
 depth for each setting. Counts only what the JSON's records hold.
@@ -9,6 +9,7 @@ depth for each setting. Counts only what the JSON's records hold.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -56,4 +57,6 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="a bench/eval_passkey.py result file")
+    sys.exit(main(ap.parse_args().json))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Needle-in-a-haystack heatmap and results table from ``eval_passkey.py``'s JSON.
 
-    .venv/bin/python bench/plot_needle.py bench/passkey_results.json -o bench/needle_heatmap.png
+    .venv/bin/python bench/plot_needle.py bench/results/passkey_results.json -o bench/results/needle_heatmap.png
 
 Heatmap: rows = needle depth, columns = policy@budget, one panel per setting (query-aware,
 query-agnostic); colour = hit rate. Prints the markdown table (hits / trials and KV held per
@@ -105,7 +105,8 @@ def plot(data, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path)
-    ap.add_argument("-o", "--out", type=Path, default=Path(__file__).resolve().parent / "needle_heatmap.png")
+    ap.add_argument("-o", "--out", type=Path,
+                    default=Path(__file__).resolve().parent / "results" / "needle_heatmap.png")
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     print(table(data))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown table of a bench_prefill.py --json file, as bench/RESULTS.md and README.md quote it.
 
-    python bench/prefill_table.py bench/prefill_cpu.json
+    python bench/prefill_table.py bench/results/prefill_cpu.json
 
 Prints the run's machine, commit, command, host load and FMA roofline, then one row per method
 (times in ms, ratios, memory in MiB). Nothing is computed here that the JSON does not hold.
@@ -9,6 +9,7 @@ Prints the run's machine, commit, command, host load and FMA roofline, then one 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -51,4 +52,6 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="a bench/bench_prefill.py result file")
+    sys.exit(main(ap.parse_args().json))

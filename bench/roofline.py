@@ -11,6 +11,7 @@ are 2·Hq·W·N·D flops per pass); torch.mm is kept only as a second reference.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import shutil
@@ -85,7 +86,10 @@ def measure(threads: int) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    threads = int((argv or sys.argv[1:] or [os.cpu_count() or 1])[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("threads", nargs="?", type=int, default=os.cpu_count() or 1,
+                    help="threads of the second run (default: all cores)")
+    threads = ap.parse_args(argv).threads
     r = measure(threads)
     print(f"fp32 FMA roofline ({r['isa']}, {r['lanes']} lanes): {r['gflops_1t']:.1f} GFLOP/s on 1 "
           f"thread, {r['gflops']:.1f} GFLOP/s on {threads} threads; load {os.getloadavg()[0]:.2f}")
