@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""RULER-style tasks (``ruler_tasks.py``) under KV-cache compression, query-aware and query-agnostic.
+
+Every setting runs on the very same samples and token ids (context ids + question ids, split
+as ``ruler_tasks.prompt_ids`` does):
+
+* ``full``: ``model.generate`` on the whole prompt, no compression.
+* query-aware (``<policy>-aware``, snapkv / streaming / h2o): the whole prompt (context and
+  question: the question lies in SnapKV's observation window) through
+  ``with kp.hf.compress(model, policy=P, budget=B): model.generate(...)``; the budget is a
+  fraction of the prompt's tokens.
+* query-agnostic (kvzip-head / kvzip-global / kvzip-layer, snapkv-agnostic, h2o-agnostic): the
+  context compressed before the question is known,
+  ``ctx = kp.hf.compress_context(model, context_ids, policy=P, budget=B, budget_scope=S)``, then
+  ``ctx.generate(question_ids, max_new_tokens=..., do_sample=False)``; the budget is a fraction
+  of the context's tokens.
+* kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected: ``SnapKVPress``,
+  ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``): as kvpress's own pipeline
+  runs them, query-agnostic: the context prefilled under ``with press(model)``, then the
+  question and a greedy decode on that cache (positions continuing the context's), the same
+  token budget (``compression_ratio = 1 - (kept + 0.5) / n``, kvpress floors the pruned
+  count). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
+  their bytes are really freed; ``KVzipPress`` masks evicted keys and frees nothing (its row
+  says "masked"; its tokens are the unmasked ones).
+
+Recorded per (sample, setting, budget): the answer, RULER's score (fraction of the reference
+strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the
+compressed context for the query-agnostic settings; ``kp.hf.kv_bytes`` of the cache after
+the context for kvpress; after the answer for full and query-aware, whose prompt includes the
+question: ``new_tokens`` says how many answer tokens that includes), and wall seconds (prefill,
+compression, question and decoding). Decoding stops at EOS, at the task's
+``max_new_tokens`` (RULER's: niah 128, vt 30, cwe 120, fwe 50) or as soon as every reference is
+in the answer (the score can no longer change).
+
+    .venv/bin/python bench/eval_ruler.py --tokens 4096 --samples 5 --out bench/results/ruler_4k.json
+    .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k.json --plot bench/results/ruler_4k.png
+    .venv/bin/python bench/eval_ruler.py --quick      # tiny random model, no download (CI)
+
+``--threads`` (default 1) sets torch's threads: the 2-core machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ruler_tasks as rt  # noqa: E402
+
+import kvprune_cuda as kp  # noqa: E402
+
+try:  # bench/common.py (helper-2's shared module), else the older _hf_common.py
+    import common  # noqa: E402
+except ImportError:  # pragma: no cover
+    import _hf_common as common  # noqa: E402
+
+# name -> (kind, policy, budget scope)
+SETTINGS = {
+    "full": ("full", None, None),
+    "snapkv-aware": ("aware", "snapkv", None),
+    "streaming-aware": ("aware", "streaming", None),
+    "h2o-aware": ("aware", "h2o", None),
+    "kvzip-head": ("agnostic", "kvzip", "head"),
+    "kvzip-global": ("agnostic", "kvzip", "global"),
+    "kvzip-layer": ("agnostic", "kvzip", "layer"),
+    "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
+    "h2o-agnostic": ("agnostic", "h2o", "layer"),
+    "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
+    "kvpress-streaming": ("kvpress", "StreamingLLMPress", None),
+    "kvpress-kvzip": ("kvpress", "KVzipPress", None),
+    "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
+}
+HEADLINE_BUDGET = 0.16
+HEADLINE_KEEP = 0.991
+
+
+def config_name(setting: str, frac: Optional[float]) -> str:
+    return setting if setting == "full" else f"{setting}@{frac * 100:g}%"
+
+
+def split_name(name: str) -> tuple[str, Optional[float]]:
+    if "@" not in name:
+        return name, None
+    s, b = name.split("@")
+    return s, float(b.rstrip("%")) / 100
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+
+def tiny_model():
+    """A tiny random Qwen2 (2 layers, GQA 4/2, head_dim 16, vocab 128: the ids of
+    ``ruler_tasks.CharTokenizer``), attention sharpened as in tests/test_hf.py. No download."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    m = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return m
+
+
+def bytes_per_token(model) -> int:
+    """K and V bytes of one token in every layer and KV head (dense layout)."""
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    el = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * el
+
+
+# ---------------------------------------------------------------------------------------------
+# one setting on one sample
+# ---------------------------------------------------------------------------------------------
+
+def _stopper(tok, refs):
+    """Stops ``generate`` once every reference is in the answer (the score cannot change)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AllFound(StoppingCriteria):
+        start = None
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if self.start is None:  # first call: one new token so far
+                self.start = input_ids.shape[1] - 1
+            done = rt.score(tok.decode(input_ids[0, self.start:]), refs) == 1.0
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+    return StoppingCriteriaList([AllFound()])
+
+
+def _gen_kwargs(tok, refs, max_new):
+    return {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": tok.pad_token_id,
+            "stopping_criteria": _stopper(tok, refs)}
+
+
+def _make_press(kvpress, cls: str, ratio: float, args):
+    if cls == "SnapKVPress":
+        return kvpress.SnapKVPress(compression_ratio=ratio, window_size=args.window,
+                                   kernel_size=args.kernel_size)
+    if cls == "StreamingLLMPress":
+        return kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=args.n_sink)
+    if cls == "KVzipPress":
+        return kvpress.KVzipPress(compression_ratio=ratio, n_sink=args.n_sink, chunk_size=args.chunk_size)
+    return getattr(kvpress, cls)(compression_ratio=ratio)
+
+
+@torch.no_grad()
+def _greedy(model, tok, cache, qst, n_ctx, max_new, refs):
+    """kvpress's own answer loop (its pipeline's generate_answer): the question at positions
+    n_ctx.., then greedy tokens until EOS, ``max_new`` or every reference found."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    pos = torch.arange(n_ctx, n_ctx + qst.shape[1]).unsqueeze(0)
+    lg = model(input_ids=qst, past_key_values=cache, position_ids=pos).logits
+    out = [int(lg[0, -1].argmax())]
+    p = n_ctx + qst.shape[1]
+    while len(out) < max_new and out[-1] not in eos and rt.score(tok.decode(out), refs) < 1.0:
+        lg = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
+                   position_ids=torch.tensor([[p]])).logits
+        out.append(int(lg[0, -1].argmax()))
+        p += 1
+    return out
+
+
+def run_setting(model, tok, ctx, qst, refs, setting, frac, args, max_new, kvpress=None) -> dict:
+    """One setting at one budget on one sample: {answer, score, kv_bytes, kv_at, held_tokens,
+    new_tokens, seconds, ...}."""
+    kind, policy, scope = SETTINGS[setting]
+    n_ctx = ctx.shape[1]
+    prompt = torch.cat([ctx, qst], 1)
+    rec: dict = {}
+    t0 = time.perf_counter()
+    if kind in ("full", "aware"):
+        mask = torch.ones_like(prompt)
+        with (kp.hf.compress(model, policy=policy, budget=frac, n_sink=args.n_sink,
+                             window=args.window, kernel_size=args.kernel_size)
+              if kind == "aware" else _null()):
+            with torch.no_grad():
+                out = model.generate(input_ids=prompt, attention_mask=mask, return_dict_in_generate=True,
+                                     **_gen_kwargs(tok, refs, max_new))
+        new = out.sequences[0, prompt.shape[1]:].tolist()
+        rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(out.past_key_values), "after the answer"
+        rec["budget_tokens"] = prompt.shape[1] if kind == "full" else kp.hf.resolve_budget(frac, prompt.shape[1])
+        del out
+    elif kind == "agnostic":
+        c = kp.hf.compress_context(model, ctx, policy=policy, budget=frac, budget_scope=scope,
+                                   tokenizer=tok, n_sink=args.n_sink,
+                                   window=None if policy == "kvzip" else args.window,
+                                   kernel_size=args.kernel_size, chunk_size=args.chunk_size)
+        g = c.generate(qst, **_gen_kwargs(tok, refs, max_new))
+        new = g[0, qst.shape[1]:].tolist()
+        rec["kv_bytes"], rec["kv_at"] = c.nbytes, "after the context"
+        rec["tokens_per_layer"] = list(c.tokens_per_layer)
+        rec["budget_tokens"] = kp.hf.resolve_budget(frac, n_ctx)
+        rec["prefill_seconds"], rec["compress_seconds"] = c.prefill_seconds, c.compress_seconds
+        del c
+    else:  # kvpress, query-agnostic as its pipeline
+        from transformers import DynamicCache
+
+        kb = kp.hf.resolve_budget(frac, n_ctx)
+        press = _make_press(kvpress, policy, 1.0 - (kb + 0.5) / n_ctx, args)
+        cache = DynamicCache()
+        with torch.no_grad(), press(model):
+            model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
+        layers = model.model.layers
+        if policy == "KVzipPress":  # masked, not freed
+            hkv = model.config.num_key_value_heads
+            masked = [0 if getattr(l.self_attn, "masked_key_indices", None) is None
+                      else int(l.self_attn.masked_key_indices[0].numel()) for l in layers]
+            rec["kv_bytes"], rec["kv_at"] = None, "masked, not freed"
+            rec["kv_bytes_allocated"] = kp.hf.kv_bytes(cache)
+            rec["tokens_per_layer"] = [n_ctx - m / hkv for m in masked]
+        else:
+            rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(cache), "after the context"
+            rec["tokens_per_layer"] = [int(cache.layers[i].keys.shape[2]) for i in range(len(layers))]
+        rec["budget_tokens"] = kb
+        try:
+            new = _greedy(model, tok, cache, qst, n_ctx, max_new, refs)
+        finally:
+            for lay in layers:  # KVzipPress's masks must not leak into the next run
+                lay.self_attn.masked_key_indices = None
+        del cache
+    rec["seconds"] = time.perf_counter() - t0
+    answer = tok.decode(new, skip_special_tokens=True)
+    rec.update(answer=answer, score=rt.score(answer, refs), new_tokens=len(new))
+    if rec.get("kv_bytes") is not None:
+        rec["held_tokens"] = rec["kv_bytes"] / bytes_per_token(model)
+    return rec
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+def configs(settings, budgets):
+    return [(s, None if s == "full" else b) for s in settings for b in ([None] if s == "full" else budgets)]
+
+
+def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optional[Path] = None,
+        log=print) -> dict:
+    """Every (setting, budget) on every sample; returns (and writes to ``out`` after each
+    sample) the result data."""
+    data = {"meta": meta(), "args": _args_dict(args), "settings": list(settings),
+            "budgets": list(budgets), "records": [], "skipped": {}}
+    t_run = time.perf_counter()
+    for s in samples:
+        ctx, qst = rt.prompt_ids(tok, s)
+        rec = {"task": s.task, "index": s.index, "seed": args.seed, "tokens": args.tokens,
+               "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1], "refs": s.refs,
+               "meta": {k: v for k, v in s.meta.items() if k != "needles"}, "results": {}}
+        max_new = args.max_new_tokens or rt.MAX_NEW_TOKENS.get(s.task, 128)
+        for setting, frac in configs(settings, budgets):
+            name = config_name(setting, frac)
+            if SETTINGS[setting][0] == "kvpress" and kvpress is None:
+                data["skipped"][setting] = "kvpress not importable"
+                continue
+            if setting == "kvpress-kvzip" and not _has_hub_tokenizer(model):
+                data["skipped"][setting] = "KVzipPress loads the tokenizer of model.config.name_or_path"
+                continue
+            r = run_setting(model, tok, ctx, qst, s.refs, setting, frac, args, max_new, kvpress)
+            rec["results"][name] = r
+            log(f"{s.task}#{s.index} {name}: score {r['score']:.2f} ({r['seconds']:.1f} s) "
+                f"{r['answer'][:60]!r}")
+        data["records"].append(rec)
+        data["wall_seconds"] = time.perf_counter() - t_run
+        if out is not None:
+            _write(out, data)
+    return data
+
+
+def _has_hub_tokenizer(model) -> bool:
+    p = getattr(model.config, "name_or_path", "") or ""
+    return bool(p) and Path(p).exists()
+
+
+def meta() -> dict:
+    if hasattr(common, "run_meta"):
+        return common.run_meta()
+    return {"command": " ".join(sys.argv), "commit": common.commit(), "machine": common.machine()}
+
+
+def _args_dict(args) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def _write(path: Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# tables, headline, plot
+# ---------------------------------------------------------------------------------------------
+
+def merge(parts: list) -> dict:
+    """Records of several files on the same samples (same task, index, refs): later files add
+    or replace configs."""
+    data = {"meta": parts[0].get("meta"), "records": [], "merged": []}
+    by_key: dict = {}
+    for p in parts:
+        data["merged"].append({"meta": p.get("meta"), "wall_seconds": p.get("wall_seconds")})
+        for r in p["records"]:
+            key = (r["task"], r["index"], r.get("seed"), r.get("tokens"))
+            old = by_key.get(key)
+            if old is None:
+                by_key[key] = {**r, "results": dict(r["results"])}
+                data["records"].append(by_key[key])
+            else:
+                if old["refs"] != r["refs"]:
+                    raise ValueError(f"--table: {key}: the files hold different samples")
+                old["results"].update(r["results"])
+    return data
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summary(data) -> dict:
+    """{config: {task: [scores]}}, plus per config the KV MiB and seconds lists."""
+    scores: dict = {}
+    kv: dict = {}
+    secs: dict = {}
+    for r in data["records"]:
+        for name, res in r["results"].items():
+            scores.setdefault(name, {}).setdefault(r["task"], []).append(res["score"])
+            kv.setdefault(name, []).append(res.get("kv_bytes"))
+            secs.setdefault(name, []).append(res["seconds"])
+    return {"scores": scores, "kv": kv, "secs": secs}
+
+
+def _paired(data, name, tasks):
+    """(config's scores, full's scores) on the samples of ``tasks`` that both ran."""
+    a, b = [], []
+    for r in data["records"]:
+        if r["task"] in tasks and name in r["results"] and "full" in r["results"]:
+            a.append(r["results"][name]["score"])
+            b.append(r["results"]["full"]["score"])
+    return a, b
+
+
+def ratio_to_full(data, name, tasks) -> Optional[float]:
+    a, b = _paired(data, name, tasks)
+    if not a or sum(b) == 0:
+        return None
+    return sum(a) / sum(b)
+
+
+def table(data) -> str:
+    sm = summary(data)
+    tasks = [t for t in rt.TASKS if any(r["task"] == t for r in data["records"])]
+    names = sorted(sm["scores"], key=lambda n: (n != "full", split_name(n)[1] or 0,
+                                                 list(SETTINGS).index(split_name(n)[0])))
+    head = "| config | " + " | ".join(tasks) + " | mean | x full | KV held (MiB, mean) | seconds (mean) |"
+    rows = [head, "|---" * (len(tasks) + 5) + "|"]
+    for nm in names:
+        cells = []
+        for t in tasks:
+            xs = sm["scores"][nm].get(t, [])
+            cells.append(f"{100 * sum(xs) / len(xs):.0f} ({len(xs)})" if xs else "")
+        allx = [x for t in tasks for x in sm["scores"][nm].get(t, [])]
+        rf = ratio_to_full(data, nm, tasks)
+        kvs = sm["kv"][nm]
+        kvtxt = ("masked, not freed" if all(k is None for k in kvs)
+                 else f"{_mean(kvs) / 2**20:.1f}")
+        rows.append(f"| {nm} | " + " | ".join(cells) + f" | {100 * _mean(allx):.1f} | "
+                    + ("n/a" if rf is None else f"{rf:.3f}") + f" | {kvtxt} | {_mean(sm['secs'][nm]):.1f} |")
+    n_samples = {t: sum(r["task"] == t for r in data["records"]) for t in tasks}
+    out = "\n".join(rows)
+    out += ("\n\nScores x100 (samples in parentheses); mean over all the config's samples; x full: "
+            "the config's summed score over full's on the same samples. KV held: after the "
+            "context (query-agnostic, kvpress) or after the answer (full, query-aware). Samples "
+            "per task: " + ", ".join(f"{t} {n}" for t, n in n_samples.items()) + ".")
+    return out + "\n\n" + headline(data)
+
+
+def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP) -> str:
+    """Which settings keep >= ``keep`` of full's variable-tracking and multi-key scores at ``budget``."""
+    vt, mk = ("vt",), rt.FAMILIES["niah_multikey"]
+    names = sorted({n for r in data["records"] for n in r["results"]
+                    if split_name(n)[1] is not None and abs(split_name(n)[1] - budget) < 1e-9},
+                   key=lambda n: list(SETTINGS).index(split_name(n)[0]))
+    lines = [f"Headline check at {budget:.0%}: settings keeping >= {keep:.1%} of full's "
+             "variable-tracking (vt) and multi-key (niah_multikey_*) scores "
+             "(summed scores over full's, same samples):", ""]
+    passed = []
+    for nm in names:
+        rv, rm = ratio_to_full(data, nm, vt), ratio_to_full(data, nm, mk)
+        nv, nk = len(_paired(data, nm, vt)[0]), len(_paired(data, nm, mk)[0])
+        ok = rv is not None and rm is not None and rv >= keep and rm >= keep
+        if ok:
+            passed.append(nm)
+        fmt = lambda r, n: "n/a (no samples or full scores 0)" if r is None else f"{r:.3f} ({n} samples)"  # noqa: E731
+        lines.append(f"- {nm}: vt {fmt(rv, nv)}, multi-key {fmt(rm, nk)} -> {'KEEPS' if ok else 'no'}")
+    if not names:
+        lines.append(f"- no config at {budget:.0%} in these files")
+    lines += ["", "Keep >= %.1f %% of full on both: %s" % (100 * keep, ", ".join(passed) or "none")]
+    return "\n".join(lines)
+
+
+def plot(data, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
+    fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams), 3.4), squeeze=False)
+    for ax, fam in zip(axes[0], fams):
+        tasks = rt.FAMILIES[fam]
+        recs = [r for r in data["records"] if r["task"] in tasks]
+        full = _mean([r["results"]["full"]["score"] for r in recs if "full" in r["results"]])
+        settings = list(dict.fromkeys(split_name(n)[0] for r in recs for n in r["results"]))
+        for s in settings:
+            if s == "full":
+                continue
+            pts = sorted({split_name(n)[1] for r in recs for n in r["results"] if split_name(n)[0] == s})
+            ys = [_mean([r["results"][config_name(s, b)]["score"] for r in recs
+                         if config_name(s, b) in r["results"]]) for b in pts]
+            ax.plot([100 * b for b in pts], [100 * y for y in ys], marker="o", label=s)
+        if full is not None:
+            ax.axhline(100 * full, color="k", ls="--", label="full")
+        ax.set_title(fam)
+        ax.set_xlabel("budget (% of tokens)")
+        ax.set_ylim(-5, 105)
+    axes[0][0].set_ylabel("score (x100)")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+QUICK = {"tokens": 900, "samples": 1, "budgets": [0.5], "max_new_tokens": 6}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="target prompt length (context + question)")
+    ap.add_argument("--samples", type=int, default=5, help="samples per task")
+    ap.add_argument("--tasks", nargs="+", default=list(rt.TASKS), choices=rt.TASKS)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.25, 0.5],
+                    help="fractions of the prompt (query-aware) or context (query-agnostic) tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="0: RULER's per task")
+    ap.add_argument("--n-sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--kernel-size", type=int, default=7)
+    ap.add_argument("--chunk-size", type=int, default=2048, help="kvzip's reconstruction chunk (ours and KVzipPress)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny random model + character tokenizer + toy text (no download): "
+                         f"{QUICK} unless given")
+    ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/ruler.json)")
+    ap.add_argument("--table", type=Path, nargs="+", help="only print the tables of earlier --out files")
+    ap.add_argument("--plot", type=Path, nargs="?", const=Path("bench/results/ruler.png"),
+                    help="score vs budget per task family (PNG)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        given = set(a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])
+                    if a.startswith("--"))
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
+        if "dtype" not in given:
+            args.dtype = "float32"
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.table:
+        data = merge([json.loads(Path(f).read_text()) for f in args.table])
+        print(table(data))
+        if args.plot:
+            plot(data, args.plot)
+            print(f"wrote {args.plot}")
+        return data
+    threads0 = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        if args.quick:
+            model, tok, novels = tiny_model().to(getattr(torch, args.dtype)), rt.CharTokenizer(), rt.toy_novels()
+        else:
+            model, tok = common.load_model(args.dtype)
+            novels = common.load_novels()
+        kvpress = None
+        if any(SETTINGS[s][0] == "kvpress" for s in args.settings):
+            try:
+                import logging
+
+                import kvpress
+                logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
+            except ImportError:
+                if not args.quick:
+                    raise SystemExit("kvpress is not installed (pip install '.[eval]'); "
+                                     "or leave the kvpress-* settings out")
+        samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, novels, args.seed)
+        out = args.out or Path(__file__).resolve().parent / "results" / (
+            "ruler_quick.json" if args.quick else "ruler.json")
+        data = run(model, tok, samples, args.settings, args.budgets, args, kvpress, out,
+                   log=(lambda *a: None) if args.quick else print)
+        print(table(data))
+        print(f"wrote {out}")
+        if args.plot:
+            plot(data, args.plot)
+            print(f"wrote {args.plot}")
+        return data
+    finally:
+        torch.set_num_threads(threads0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""bench/ruler_tasks.py (the RULER-style generator) and bench/eval_ruler.py's harness.
+
+The harness runs on a tiny random Qwen2 with a character-level tokenizer (no download): its
+answers are noise, so what is checked is the harness itself: scoring, the split of context and
+question (the question is never in the compressed context), budgets (tokens held match them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import eval_ruler as er  # noqa: E402
+import ruler_tasks as rt  # noqa: E402
+
+import kvprune_cuda as kp  # noqa: E402
+
+TOK = rt.CharTokenizer()
+NOVELS = rt.toy_novels()
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+# ---------------------------------------------------------------------------------------------
+
+def test_score_all_partial_none_case_insensitive():
+    assert rt.score("The number is 1234567.", ["1234567"]) == 1.0
+    assert rt.score("The number is 1234566.", ["1234567"]) == 0.0
+    assert rt.score("a b", ["A", "B", "c", "d"]) == 0.5
+    assert rt.score("ABCDE, fghij", ["abcde", "FGHIJ"]) == 1.0
+    assert rt.score("", ["x"]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the generator
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task", rt.TASKS)
+def test_deterministic_by_seed(task):
+    a = rt.make_sample(task, 3, TOK, 1500, NOVELS, seed=7)
+    b = rt.make_sample(task, 3, TOK, 1500, NOVELS, seed=7)
+    c = rt.make_sample(task, 3, TOK, 1500, NOVELS, seed=8)
+    d = rt.make_sample(task, 4, TOK, 1500, NOVELS, seed=7)
+    assert (a.context, a.question, a.refs) == (b.context, b.question, b.refs)
+    assert (a.context, a.refs) != (c.context, c.refs)
+    assert (a.context, a.refs) != (d.context, d.refs)
+
+
+@pytest.mark.parametrize("task", rt.TASKS)
+@pytest.mark.parametrize("tokens", [1200, 3000])
+def test_length_near_target(task, tokens):
+    s = rt.make_sample(task, 0, TOK, tokens, NOVELS)
+    n = rt.prompt_tokens(TOK, s)
+    # one haystack unit more would not fit: the longest unit is a UUID needle (~100 chars)
+    assert tokens - 130 <= n <= tokens, (task, n)
+
+
+@pytest.mark.parametrize("task", [t for t in rt.TASKS if t.startswith("niah")])
+def test_needles_present_and_asked_values_are_refs(task):
+    for i in range(3):
+        s = rt.make_sample(task, i, TOK, 2000, NOVELS)
+        m = s.meta
+        for nd in m["needles"]:
+            assert s.context.count(nd) == 1, nd
+        for k in m["asked"]:
+            assert k in s.question and k in s.answer_prefix
+        if task == "niah_multivalue":
+            assert s.refs == m["values"] and len(s.refs) == 4
+            assert all(f"for {m['keys'][0]} is: {v}." in s.context for v in s.refs)
+        else:
+            n_q = 4 if task == "niah_multiquery" else 1
+            assert len(s.refs) == n_q
+            for k, v in zip(m["asked"], s.refs):
+                assert f"for {k} is: {v}." in s.context
+        if task in ("niah_multikey_1", "niah_multiquery"):
+            assert len(m["needles"]) == 4 and len(set(m["keys"])) == 4
+        if task in ("niah_multikey_2", "niah_multikey_3"):  # a haystack of other needles
+            others = re.findall(r"One of the special magic \w+ for (\S+) is: ", s.context)
+            assert len(others) > 3 and len(set(others)) == len(others)
+        if task == "niah_single_3":
+            assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", s.refs[0])
+        if task in ("niah_single_1", "niah_single_2", "niah_multikey_1"):
+            assert re.fullmatch(r"[1-9]\d{6}", s.refs[0])
+        if task == "niah_single_1":
+            assert s.context.count(rt.NOISE) >= 3
+
+
+def test_variable_tracking_chain():
+    for i in range(5):
+        s = rt.make_sample("vt", i, TOK, 2000, NOVELS)
+        stmts = re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", s.context)
+        assert len(stmts) == 5
+        value = s.meta["value"]
+        assert value in s.question
+        # follow the chain from the value, in text order (each hop comes after its source)
+        names = set()
+        for name, rhs in stmts:
+            if rhs == value or (rhs.startswith("VAR ") and rhs[4:] in names):
+                names.add(name)
+        assert names == set(s.refs) and len(s.refs) == 5
+        assert [n for n, _ in stmts] == s.refs
+
+
+def test_cwe_and_fwe_references_are_the_most_frequent():
+    s = rt.make_sample("cwe", 0, TOK, 4096, NOVELS)
+    items = re.findall(r"\d+\. (\S+)", s.context.split("\n", 1)[1])
+    counts = collections.Counter(items)
+    assert {counts[w] for w in s.refs} == {s.meta["freq_cw"]}
+    assert all(c == 3 for w, c in counts.items() if w not in s.refs)
+    assert s.meta["n_uncommon"] > 10
+    f = rt.make_sample("fwe", 0, TOK, 4096, NOVELS)
+    counts = collections.Counter(f.context.split("\n", 1)[1].split())
+    top = [w for w, _ in counts.most_common()]
+    assert top[:3] == f.refs
+    assert counts[top[2]] > counts[top[3]]
+
+
+def test_prompt_split():
+    s = rt.make_sample("niah_multiquery", 0, TOK, 1500, NOVELS)
+    ctx, qst = rt.prompt_ids(TOK, s)
+    whole = TOK.apply_chat_template([{"role": "user", "content": s.context + "\n" + s.question}])
+    assert TOK.decode(torch.cat([ctx, qst], 1)[0]) == whole + s.answer_prefix
+    assert s.question not in TOK.decode(ctx[0])
+    assert TOK.decode(qst[0]).startswith("\n" + s.question)
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness on a tiny random model (what --quick runs)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quick_run():
+    args = er.parse(["--quick", "--tasks", "niah_single_1", "niah_multikey_2", "vt",
+                     "--settings", *[s for s in er.SETTINGS if s != "kvpress-kvzip"]])
+    model = er.tiny_model()
+    samples = rt.make_samples(args.tasks, args.samples, TOK, args.tokens, NOVELS, args.seed)
+    try:
+        import kvpress
+    except ImportError:
+        kvpress = None
+    n0 = torch.get_num_threads()
+    try:
+        data = er.run(model, TOK, samples, args.settings, args.budgets, args, kvpress, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(n0)
+    return model, samples, args, data
+
+
+def test_quick_scores_are_rulers(quick_run):
+    model, samples, args, data = quick_run
+    assert [r["task"] for r in data["records"]] == [s.task for s in samples]
+    for r, s in zip(data["records"], samples):
+        assert r["refs"] == s.refs
+        want = {er.config_name(n, None if n == "full" else 0.5) for n in args.settings
+                if n not in data["skipped"]}
+        assert set(r["results"]) == want
+        for res in r["results"].values():
+            assert res["score"] == rt.score(res["answer"], s.refs)
+            assert 1 <= res["new_tokens"] <= args.max_new_tokens
+
+
+def test_quick_context_question_split_and_budgets(quick_run):
+    model, samples, args, data = quick_run
+    per_tok = er.bytes_per_token(model)
+    for r, s in zip(data["records"], samples):
+        ctx, qst = rt.prompt_ids(TOK, s)
+        n_ctx, n_all = ctx.shape[1], ctx.shape[1] + qst.shape[1]
+        assert (r["context_tokens"], r["question_tokens"]) == (n_ctx, qst.shape[1])
+        for name, res in r["results"].items():
+            setting, frac = er.split_name(name)
+            kind = er.SETTINGS[setting][0]
+            new = res["new_tokens"]
+            if kind == "full":
+                assert res["kv_bytes"] == (n_all + new - 1) * per_tok
+            elif kind == "aware":  # budget of the whole prompt; snapkv then grows by the answer
+                kb = kp.hf.resolve_budget(frac, n_all)
+                grow = new - 1 if setting == "snapkv-aware" else 0
+                assert res["budget_tokens"] == kb and res["held_tokens"] == kb + grow, name
+            else:  # the context alone was compressed: the question's tokens are not in it
+                kb = kp.hf.resolve_budget(frac, n_ctx)
+                assert res["budget_tokens"] == kb
+                tl = res["tokens_per_layer"]
+                assert sum(tl) == pytest.approx(len(tl) * kb), name
+                if er.SETTINGS[setting][2] in ("layer", None):
+                    assert tl == [kb] * len(tl), name
+                assert res["kv_bytes"] == kb * per_tok, name
+
+
+def test_quick_compress_context_never_sees_the_question(quick_run, monkeypatch):
+    model, samples, args, _ = quick_run
+    seen = []
+    real = kp.hf.compress_context
+
+    def spy(m, context_ids, **kw):
+        seen.append(context_ids.clone())
+        return real(m, context_ids, **kw)
+
+    monkeypatch.setattr(kp.hf, "compress_context", spy)
+    s = samples[0]
+    ctx, qst = rt.prompt_ids(TOK, s)
+    er.run_setting(model, TOK, ctx, qst, s.refs, "kvzip-head", 0.5, args, 3)
+    assert len(seen) == 1 and torch.equal(seen[0], ctx)
+    assert s.question not in TOK.decode(seen[0][0])
+
+
+def _fake(scores: dict) -> dict:
+    """Result data with the given {task: {config: [scores]}}."""
+    recs = []
+    for task, by in scores.items():
+        n = len(next(iter(by.values())))
+        for i in range(n):
+            recs.append({"task": task, "index": i, "refs": ["x"], "results": {
+                c: {"score": v[i], "seconds": 1.0, "kv_bytes": 100, "answer": ""} for c, v in by.items()}})
+    return {"records": recs}
+
+
+def test_headline_and_table():
+    data = _fake({
+        "vt": {"full": [1.0, 0.6], "a@16%": [1.0, 0.6], "b@16%": [1.0, 0.5], "c@16%": [0.0, 0.0]},
+        "niah_multikey_1": {"full": [1.0, 1.0], "a@16%": [1.0, 1.0], "b@16%": [1.0, 1.0],
+                            "c@16%": [1.0, 1.0]}})
+    data = _rename(data, {"a": "kvzip-head", "b": "snapkv-aware", "c": "kvpress-kvzip"})
+    h = er.headline(data)
+    assert "- kvzip-head@16%: vt 1.000 (2 samples), multi-key 1.000 (2 samples) -> KEEPS" in h
+    assert "- snapkv-aware@16%: vt 0.938" in h and "multi-key 1.000 (2 samples) -> no" in h
+    assert h.rstrip().endswith("on both: kvzip-head@16%")
+    t = er.table(data)
+    assert "| full | 100 (2) | 80 (2) | 90.0 | 1.000 |" in t
+    assert "| kvpress-kvzip@16% | 100 (2) | 0 (2) | 50.0 | 0.556 |" in t
+
+
+def _rename(data, m):
+    for r in data["records"]:
+        r["results"] = {(m[k.split("@")[0]] + "@" + k.split("@")[1] if "@" in k else k): v
+                        for k, v in r["results"].items()}
+    return data
+
+
+def test_main_quick_writes_and_tables(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    n0 = torch.get_num_threads()
+    er.main(["--quick", "--tasks", "niah_multivalue", "--settings", "full", "kvzip-global",
+             "snapkv-aware", "--out", str(out)])
+    assert torch.get_num_threads() == n0
+    data = er.main(["--table", str(out)])
+    text = capsys.readouterr().out
+    assert "| full |" in text and "| kvzip-global@50% |" in text and "Headline check at 16%" in text
+    assert data["meta"]["commit"] and "threads" in data["meta"]["machine"]
+    assert len(data["records"]) == 1 and set(data["records"][0]["results"]) == {
+        "full", "kvzip-global@50%", "snapkv-aware@50%"}
