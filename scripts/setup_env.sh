@@ -21,6 +21,10 @@ fi
 # transformers: tests/test_hf.py runs kvprune_cuda.hf on a tiny random model (no download).
 "$PY" -m pip install -q numpy pytest expecttest "transformers==5.2.0"
 mkdir -p build
+# setuptools copies build/lib.* into the wheel as it is: a module moved or deleted since the
+# last build would be installed again, so the package is staged afresh (the compiled
+# objects stay in the per-interpreter CMake folder).
+rm -rf build/lib.* build/bdist.*
 "$PY" -m pip install --no-build-isolation --no-deps -v . > build/pip-install.log 2>&1 || {
   tail -n 60 build/pip-install.log; echo "kvprune_cuda: build failed (full log: build/pip-install.log)"; exit 1; }
 (cd /tmp && "$PY" -c "import kvprune_cuda as kp; print('kvprune_cuda', kp.build_info())")

@@ -23,6 +23,10 @@ if ! "$PY" -c "import vllm" 2>/dev/null; then
 fi
 "$PY" -m pip install -q pytest tqdm matplotlib
 mkdir -p build
+# setuptools copies build/lib.* into the wheel as it is: a module moved or deleted since the
+# last build would be installed again, so the package is staged afresh (the compiled
+# objects stay in the per-interpreter CMake folder).
+rm -rf build/lib.* build/bdist.*
 KVPRUNE_ENABLE_CUDA=0 "$PY" -m pip install --no-build-isolation --no-deps -v . \
   > build/pip-install-vllm.log 2>&1 || {
   tail -n 60 build/pip-install-vllm.log; echo "kvprune_cuda (vLLM venv): build failed"; exit 1; }

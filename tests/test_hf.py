@@ -87,7 +87,7 @@ def test_budget_above_prompt_equals_plain(model, gen, policy):
     plain = _gen(model, ids)
     with kp.hf.compress(model, policy=policy, budget=64, n_sink=4, window=8) as kvc:
         ours = _gen(model, ids)
-    assert kvc.kept == 40
+    assert kvc.compressed_len == 40
     assert torch.equal(plain, ours)
 
 
@@ -149,7 +149,8 @@ def test_prefill_compression_matches_reference(request, gen, policy, arch):
         assert got_k.shape == (1, HKV, budget, D)
         torch.testing.assert_close(got_k, exp[0].to(got_k.dtype), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_v, exp[1].to(got_v.dtype), rtol=1e-5, atol=1e-5)
-    assert hf.kv_bytes(cache) == 2 * N_LAYERS * HKV * budget * D * 4
+    positions = HKV * budget * 4 + 4 if policy == "streaming" else 0  # ring: slot_pos, seq_lens
+    assert hf.kv_bytes(cache) == N_LAYERS * (2 * HKV * budget * D * 4 + positions)
     assert hf.kv_bytes(full) == 2 * N_LAYERS * HKV * n * D * 4
 
 
@@ -208,7 +209,7 @@ def test_streaming_decode_keeps_budget(model, gen):
         with torch.no_grad():
             model.generate(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                            past_key_values=cache, pad_token_id=0)
-    assert kvc.kept == 16
+    assert kvc.compressed_len == 16
     assert hf.cache_kv(cache, 0)[0].shape[2] == 16
 
 
@@ -223,7 +224,7 @@ def test_h2o_decode_keeps_budget_and_sinks(model, gen):
         c = cache.layers[layer].decode
         assert c.seq_lens.tolist() == [49] and c.k.shape[2] == 20 and bool((c.slot_pos >= 0).all())
         assert bool((c.slot_pos[..., :4] == torch.arange(4, dtype=torch.int32)).all())  # sinks
-    assert kvc.kept == 20 and hf.cache_kv(cache, 1)[0].shape[2] == 20
+    assert kvc.compressed_len == 20 and hf.cache_kv(cache, 1)[0].shape[2] == 20
 
 
 def test_query_agnostic_two_forwards(model, gen):
@@ -249,6 +250,7 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="budget"):
         hf.KVCompressor(model, policy="snapkv", budget=1.5)
     assert hf.resolve_budget(0.2, 4000) == 800 and hf.resolve_budget(512, 4000) == 512
+    assert hf.resolve_budget is kp.policy.resolve_budget
 
 
 def test_h2o_scores_are_accumulated_attention(model, gen):
@@ -467,7 +469,7 @@ def _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w):
         cache = transformers.DynamicCache()
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
-            assert kvc.kept == budget
+            assert kvc.compressed_len == budget
             for layer in range(N_LAYERS):
                 got = hf.cache_kv(cache, layer)[0]
                 if policy != "snapkv":  # slots in position order

@@ -1,7 +1,7 @@
 """kp.hf.compress_context on the tiny random Qwen2 of test_hf: a context compressed once (kvzip
 and the other policies), then questions answered from it with ``CompressedContext.generate``.
 
-The references are independent of hf.py / hf_context.py: eager attention weights recorded by
+The references are independent of kvprune_cuda.hf: eager attention weights recorded by
 ``test_hf._eager_capture`` and ``kvprune_cuda.reference``. Skipped without ``transformers``.
 """
 
@@ -20,9 +20,10 @@ transformers = pytest.importorskip("transformers")
 import kvprune_cuda as kp  # noqa: E402
 from helpers import HAS_CUDA  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402
-from kvprune_cuda import hf_context  # noqa: E402
+from kvprune_cuda.hf import reconstruct  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
-from kvprune_cuda.hf_context import RepeatPrompt  # noqa: E402
+from kvprune_cuda.hf.ragged_layer import RaggedLayer  # noqa: E402
+from kvprune_cuda.hf.reconstruct import RepeatPrompt  # noqa: E402
 from test_hf import (  # noqa: E402,F401  (model: the module-scoped tiny Qwen2 fixture)
     D, HKV, HQ, N_LAYERS, _agnostic_expected_idx, _eager_capture, _ids, _manual_decode, model)
 
@@ -34,7 +35,9 @@ GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
 
 
 def _compress(model, ctx, policy, budget=BUDGET, **kw):
+    """compress_context with the test's sizes; budget_scope "layer" unless given."""
     kw.setdefault("repeat_prompt", PROMPT if policy == "kvzip" else None)
+    kw.setdefault("budget_scope", "layer")
     return kp.hf.compress_context(model, ctx, policy, budget, n_sink=SINKS, window=W,
                                   chunk_size=kw.pop("chunk_size", CHUNK), **kw)
 
@@ -113,9 +116,9 @@ def _assert_layers(cache, full, idx):
 
 
 def _recording(fold, taken):
-    """Wraps KVCompressor._fold_reconstruction: records whether each call found an lse."""
+    """Wraps KVCompressor._fold: records whether each call found an lse."""
     def wrapped(self, module, *args):
-        taken.append(module.layer_idx in self._reconstruct_lse)
+        taken.append(module.layer_idx in self._reconstruction["lse"])
         return fold(self, module, *args)
     return wrapped
 
@@ -127,7 +130,7 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
     """KVCompressor.score_reconstruction folds the max attention probability of every
     reconstruction query into each context key, the softmax over the sinks, the chunk and the
     reconstruction keys ("chunk") or over every key the query sees ("all"). With SDPA and
-    "all" the lse comes from the model's own attention call (``_hf_lse``, one pass of
+    "all" the lse comes from the model's own attention call (``hf.lse``, one pass of
     kp.window_scores), else kp.window_scores computes it (two passes)."""
     ctx = _ids(gen, 1, N)
     chunks, spans = PROMPT.chunks(ctx, CHUNK), PROMPT.spans(N, CHUNK)
@@ -138,7 +141,7 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
     cache = transformers.DynamicCache()
     def forward_chunks():
         for ids, span in zip(chunks, spans):
-            comp.reconstruct_span = span
+            yield span
             with torch.no_grad():
                 model(input_ids=ids, past_key_values=cache, use_cache=True)
             cache.crop(N - cache.get_seq_length())  # negative: 5.24 refuses a length
@@ -149,9 +152,8 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
         taken = []
-        monkeypatch.setattr(hf.KVCompressor, "_fold_reconstruction", _recording(
-            hf.KVCompressor._fold_reconstruction, taken))
-        comp.score_reconstruction(forward_chunks, softmax=softmax)
+        monkeypatch.setattr(hf.KVCompressor, "_fold", _recording(hf.KVCompressor._fold, taken))
+        comp.score_reconstruction(forward_chunks, kp.policy.make(comp.policy, softmax=softmax))
     finally:
         model.config._attn_implementation = saved
         comp.detach()
@@ -175,16 +177,20 @@ def test_chunk_softmax_needs_the_span(model, gen):
     comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W,
                            compress_on_prefill=False).attach()
     cache = transformers.DynamicCache()
+    def no_span():  # a forward before any span is yielded
+        model(input_ids=PROMPT.chunks(ctx, CHUNK)[0], past_key_values=cache, use_cache=True)
+        yield from ()
     try:
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
-            with pytest.raises(RuntimeError, match="reconstruct_span"):
-                comp.score_reconstruction(lambda: model(input_ids=PROMPT.chunks(ctx, CHUNK)[0],
-                                                        past_key_values=cache, use_cache=True))
-            with pytest.raises(ValueError, match="softmax"):
-                comp.score_reconstruction(lambda: None, softmax="chunks")
+            with pytest.raises(RuntimeError, match="span"):
+                comp.score_reconstruction(no_span)
+            with pytest.raises(ValueError, match="kvzip"):
+                comp.score_reconstruction(no_span, kp.policy.make("snapkv"))
     finally:
         comp.detach()
+    with pytest.raises(ValueError, match="softmax"):
+        kp.policy.make("kvzip", softmax="chunks")
 
 
 @pytest.mark.parametrize("chunk_size,skip", [(25, 0), (25, 5), (7, 0), (2048, 0)])
@@ -226,28 +232,25 @@ def test_global_budget_follows_layer_budgets(model, gen, policy):
 
 @pytest.mark.parametrize("scope", ["global", "head"])
 def test_global_budgets_rank_the_named_policys_scores(model, gen, scope):
-    """hf_context._compress (what bench/eval_context.py calls on one scored prefill for every
-    policy) ranks the scores of the policy it is given, not those of the compressor's own."""
+    """score_context scores one prefill for several policies (what bench/eval_context.py
+    does); ScoredContext.compress ranks the scores of the policy it is given, not the first's."""
     ctx = _ids(gen, 1, N)
     full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
-    comp = hf.KVCompressor(model, "snapkv", BUDGET, n_sink=SINKS, window=W, gqa="max",
-                           compress_on_prefill=False).attach()
-    cache = transformers.DynamicCache()
-    try:
-        with _eager_capture(model), torch.no_grad():
-            model(input_ids=ctx, past_key_values=cache, use_cache=True)
-            comp.score_reconstruction(lambda: hf_context._reconstruct(comp, cache, PROMPT, ctx,
-                                                                      CHUNK))
-            hf_context._compress(comp, cache, "kvzip", BUDGET, scope, N)
-    finally:
-        comp.detach()
+    with _eager_capture(model):
+        scored = kp.hf.score_context(model, ctx, ("snapkv", "kvzip"), n_sink=SINKS, window=W,
+                                     gqa="max", chunk_size=CHUNK, repeat_prompt=PROMPT)
+    assert [p.name for p in scored.policies] == ["snapkv", "kvzip"]
+    kvc = scored.compress(BUDGET, scope, policy="kvzip")
     if scope == "global":
         want = kp.layer_budgets(scores, BUDGET, n_sink=SINKS, window=W)
-        _assert_layers(cache, full, [ref.select_keep(s, k, n_sink=SINKS, window=W)
-                                     for s, k in zip(scores, want)])
+        _assert_layers(kvc.cache(), full, [ref.select_keep(s, k, n_sink=SINKS, window=W)
+                                           for s, k in zip(scores, want)])
     else:
-        assert [lay.lens.tolist() for lay in cache.layers] == \
+        assert [lay.lens.tolist() for lay in kvc.cache().layers] == \
             kp.head_budgets(scores, BUDGET, n_sink=SINKS, window=W).tolist()
+    # the same scoring serves again, under another policy and budget
+    again = scored.compress(0.5, "layer", policy="snapkv")
+    assert again.policy.name == "snapkv" and again.tokens_per_layer == [N // 2] * N_LAYERS
 
 
 def _head_selection(scores):
@@ -279,10 +282,14 @@ def test_head_budget_keeps_each_heads_own_count(model, gen, policy):
     if policy != "h2o":  # (h2o's sums happen to split this context evenly)
         assert len({x for lay in kvc.tokens_per_head for row in lay for x in row}) > 2
     size = next(model.parameters()).element_size()
-    assert kvc.bytes_per_layer == [2 * int(c.sum()) * D * size for c in counts]
-    assert kvc.nbytes == 2 * N_LAYERS * rows * HKV * BUDGET * D * size  # = the uniform budget's
+    # K/V of the kept tokens, then the counts (int64), the padded view's mask (bool) and each
+    # packed token's two int32 slot indices
+    index = [rows * HKV * (8 + int(c.max())) + 8 * int(c.sum()) for c in counts]
+    assert kvc.bytes_per_layer == [2 * int(c.sum()) * D * size + x for c, x in zip(counts, index)]
+    kv = 2 * N_LAYERS * rows * HKV * BUDGET * D * size  # = the uniform budget's
+    assert kvc.nbytes == kv + sum(index) + ctx.numel() * ctx.element_size() + ctx.numel()
     cache = kvc.cache()
-    assert hf.kv_bytes(cache) == kvc.nbytes
+    assert hf.kv_bytes(cache) == kv + sum(index)
     for i in range(N_LAYERS):
         lay = cache.layers[i]
         padded_k, padded_v = lay.keys, lay.values
@@ -412,7 +419,6 @@ def test_head_budget_generate_leaves_the_context_unchanged(model, gen):
 
 def test_ragged_layer_rows():
     """RaggedLayer's batch reorderings (beam search, repeat): the padded view's rows move."""
-    from kvprune_cuda._hf_ragged import RaggedLayer
 
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, 2, 9, 4, generator=g), torch.randn(2, 2, 9, 4, generator=g)
@@ -430,7 +436,9 @@ def test_ragged_layer_rows():
     lay.reorder_cache(torch.tensor([1, 1]))
     narrow = torch.cat([want_k[[0, 0], :, :3], want_k[[0, 0], :, 9:]], 2)  # row 0 keeps <= 3
     assert torch.equal(lay.keys, narrow) and lay.tokens.tolist() == [[5, 3], [5, 3]]
-    assert lay.nbytes() == 2 * (2 * (3 + 1) + 2 * 2 * 2) * 4 * 4  # K and V: kept + appended, fp32 D=4
+    kv = 2 * (2 * (3 + 1) + 2 * 2 * 2) * 4 * 4  # K and V: kept + appended, fp32 D=4
+    index = 2 * 2 * 8 + 2 * 2 * 3 + 2 * 8 * 4  # counts (int64), padding mask (bool), slots (int32)
+    assert kp.hf.memory.tensor_bytes(lay.tensors()) == kv + index
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -513,8 +521,11 @@ def test_reported_sizes(model, gen, policy, budget, scope):
     size = next(model.parameters()).element_size()
     cache = kvc.cache()
     assert kvc.tokens_per_layer == [hf.cache_kv(cache, i)[0].shape[2] for i in range(N_LAYERS)]
-    assert kvc.bytes_per_layer == [2 * HKV * t * D * size for t in kvc.tokens_per_layer]
-    assert kvc.nbytes == sum(kvc.bytes_per_layer) == hf.kv_bytes(cache)
+    # K and V, and the slot validity mask (a bool per token and KV head)
+    assert kvc.bytes_per_layer == [2 * HKV * t * D * size + HKV * t for t in kvc.tokens_per_layer]
+    assert hf.kv_bytes(cache) == sum(2 * HKV * t * D * size for t in kvc.tokens_per_layer)
+    ids = ctx.numel() * ctx.element_size()  # the context's token ids, kept for generate
+    assert kvc.nbytes == sum(kvc.bytes_per_layer) + ids + N  # + the prefill's validity [1, N]
     total = N_LAYERS * (N if policy == "full" else BUDGET)
     assert sum(kvc.tokens_per_layer) == total and kvc.context_len == N
     assert kvc.prefill_seconds > 0 and kvc.compress_seconds > 0
@@ -581,8 +592,8 @@ def test_repeat_prompt_from_tokenizer_with_template(device):
     with_header = torch.tensor([_chars("<u>abcdefgh")], device=device)
     p = RepeatPrompt.from_tokenizer(tok, with_header)
     assert tok.calls == [([{"role": "user", "content": "@@"}], True, False)]
-    assert list(p.first) == _chars(hf_context.FIRST_PROMPT)
-    assert list(p.next) == _chars(hf_context.NEXT_PROMPT)
+    assert list(p.first) == _chars(reconstruct.FIRST_PROMPT)
+    assert list(p.next) == _chars(reconstruct.NEXT_PROMPT)
     assert list(p.suffix) == _chars("</u><a>")
     assert p.skip == 3 and p.overlap == 8
     assert RepeatPrompt.from_tokenizer(tok, body).skip == 0            # no header
@@ -599,7 +610,7 @@ def test_repeat_prompt_from_tokenizer_without_template():
     p = RepeatPrompt.from_tokenizer(tok, torch.tensor([_chars("<u>abcdefgh")]))
     assert tok.calls == []
     assert list(p.suffix) == _chars("\n") and p.skip == 0
-    assert list(p.first) == _chars(hf_context.FIRST_PROMPT)
+    assert list(p.first) == _chars(reconstruct.FIRST_PROMPT)
 
 
 def test_kvzip_builds_its_prompt_from_the_tokenizer(model, gen):
@@ -639,7 +650,7 @@ def test_bad_arguments(model, gen):
             _compress(model, ctx, "kvzip", chunk_size=bad)
     with pytest.raises(ValueError, match="budget"):
         _compress(model, ctx, "kvzip", 10)
-    for bad in ("chunks", None):
+    for bad in ("chunks", "none"):
         with pytest.raises(ValueError, match="softmax"):
             _compress(model, ctx, "kvzip", softmax=bad)
     with pytest.raises(ValueError, match="tokenizer"):  # a random model has no tokenizer to load
@@ -666,12 +677,76 @@ def test_bad_arguments(model, gen):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def test_either_module_can_be_imported_first():
-    for code in ("from kvprune_cuda.hf_context import RepeatPrompt, compress_context\n"
-                 "import kvprune_cuda as kp\n"
-                 "assert kp.hf.compress_context is compress_context\n"
-                 "assert kp.hf.RepeatPrompt is RepeatPrompt",
-                 "from kvprune_cuda.hf import CompressedContext, compress_context\n"
-                 "from kvprune_cuda import hf_context\n"
-                 "assert hf_context.CompressedContext is CompressedContext"):
-        subprocess.run([sys.executable, "-c", code], check=True)
+def _package_imports() -> dict:
+    """{module: the kvprune_cuda modules it imports at module level}, read from the sources."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(kp.__file__).parent
+    graph = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        graph[name] = [node for node in ast.parse(path.read_text()).body  # module level only
+                       if isinstance(node, (ast.Import, ast.ImportFrom))]
+    out = {}
+    for m, nodes in graph.items():
+        deps = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif node.module and node.level == 0:  # "from P import x": module P.x, else P
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in graph
+                         else node.module for a in node.names}
+        # a module's own packages run first whatever it imports: not an edge of its own
+        out[m] = {d for d in deps if d in graph and d != m and not m.startswith(d + ".")}
+    return out
+
+
+def test_no_import_cycle_in_the_package():
+    """The module-level imports of kvprune_cuda.hf and kvprune_cuda.policy form no cycle
+    (the package root, which every module imports for its ops, is left out), and every
+    module imports first in a fresh interpreter, in a random (seeded) order."""
+    import random
+
+    graph = {m: d - {"kvprune_cuda"} for m, d in _package_imports().items()
+             if m.startswith(("kvprune_cuda.hf", "kvprune_cuda.policy"))}
+    assert "kvprune_cuda.hf.context" in graph and "kvprune_cuda.hf.hooks" in graph
+    done, path = set(), []
+
+    def visit(m):
+        assert m not in path, f"import cycle: {' -> '.join(path[path.index(m):] + [m])}"
+        if m in done or m not in graph:
+            return
+        path.append(m)
+        for d in graph[m]:
+            visit(d)
+        path.pop()
+        done.add(m)
+
+    for m in graph:
+        visit(m)
+    order = sorted(graph)
+    random.Random(0).shuffle(order)
+    code = ("import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)\n"
+            "import kvprune_cuda as kp\n"
+            "assert kp.hf.compress_context is sys.modules['kvprune_cuda.hf.context'].compress_context")
+    subprocess.run([sys.executable, "-c", code, *order], check=True)
+
+
+def test_defaults_are_the_measured_best(model, gen):
+    """compress_context's defaults are the configuration the measurements favour: kvzip keeps
+    a count per KV head (bench/RESULTS.md: 20/20 passkey at 10 %, where one count per layer
+    gets 18/20 and a uniform budget 0/20), with KVzip's chunk softmax, GQA max, sinks only;
+    the other policies one count per layer. A user's first call needs no option."""
+    kvzip = kp.policy.make("kvzip")
+    assert (kvzip.default_scope, kvzip.softmax, kvzip.gqa, kvzip.window) == ("head", "chunk",
+                                                                            "max", 0)
+    assert all(kp.policy.make(p).default_scope == "layer" for p in POLICIES if p != "kvzip")
+    ctx = _ids(gen, 1, N)
+    kvc = kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, chunk_size=CHUNK,
+                                 repeat_prompt=PROMPT)
+    assert all(isinstance(lay, RaggedLayer) for lay in kvc._layers)
+    assert kvc.policy == kp.policy.KVzip(BUDGET, SINKS, chunk_size=CHUNK)
+    snap = kp.hf.compress_context(model, ctx, "snapkv", BUDGET, n_sink=SINKS, window=W)
+    assert snap.tokens_per_layer == [BUDGET] * N_LAYERS

@@ -4,7 +4,8 @@ is tested by tests/vllm_engine in its own environment)."""
 import pytest
 
 import kvprune_cuda as kp
-from kvprune_cuda.vllm import Policy
+from kvprune_cuda.vllm import _policy
+from kvprune_cuda.vllm._policy import engine_policy
 
 
 def test_engine_args_wire_the_hooks_and_the_policy():
@@ -13,7 +14,8 @@ def test_engine_args_wire_the_hooks_and_the_policy():
     assert args["worker_cls"] == "kvprune_cuda.vllm.worker.CPUWorker"
     assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
     cfg = args["additional_config"]["kvprune"]
-    assert Policy(**cfg) == Policy("snapkv", 0.1, 2, 16, 5)
+    assert _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}})) \
+        == kp.policy.SnapKV(0.1, 2, 16, kernel_size=5)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -27,21 +29,21 @@ def test_bad_arguments_are_named(kwargs, name):
 
 
 def test_kept_tokens_follow_kp_hf():
-    p = Policy("snapkv", 0.2)  # n_sink 4 + window 32 = 36 at least
-    assert p.kept_tokens(300) == 60
-    assert p.kept_tokens(100) == 36
-    assert p.kept_tokens(36) is None and p.kept_tokens(20) is None  # nothing to evict
-    assert Policy("snapkv", 50).kept_tokens(300) == 50
-    assert Policy("full").kept_tokens(300) is None
-    assert Policy("streaming", 0.2, window=0).kept_tokens(10) == 5  # n_sink + one recent
+    p = engine_policy("snapkv", 0.2)  # n_sink 4 + window 32 = 36 at least
+    assert _policy.kept_tokens(p, 300) == 60 == p.kept_tokens(300)  # kp.policy's rule
+    assert _policy.kept_tokens(p, 100) == 36
+    assert _policy.kept_tokens(p, 36) is None and _policy.kept_tokens(p, 20) is None  # nothing to evict
+    assert _policy.kept_tokens(engine_policy("snapkv", 50), 300) == 50
+    assert _policy.kept_tokens(engine_policy("full"), 300) is None
+    assert _policy.kept_tokens(engine_policy("streaming", 0.2, window=0), 10) == 5  # sinks + one
 
 
 def test_only_a_whole_prompt_step_compresses():
-    p = Policy("snapkv", 0.2)
-    assert p.compresses(0, 300, 300) == 60
-    assert p.compresses(0, 256, 300) is None      # a chunk of the prompt
-    assert p.compresses(256, 44, 300) is None     # its last chunk
-    assert p.compresses(0, 305, 300) is None      # recomputing prompt + outputs (preemption)
+    p = engine_policy("snapkv", 0.2)
+    assert _policy.compresses(p, 0, 300, 300) == 60
+    assert _policy.compresses(p, 0, 256, 300) is None      # a chunk of the prompt
+    assert _policy.compresses(p, 256, 44, 300) is None     # its last chunk
+    assert _policy.compresses(p, 0, 305, 300) is None      # recomputing prompt + outputs (preemption)
 
 
 def test_missing_config_is_explained():
@@ -49,7 +51,7 @@ def test_missing_config_is_explained():
         additional_config = {}
 
     with pytest.raises(ValueError, match="additional_config"):
-        Policy.from_vllm_config(Cfg())
+        _policy.from_vllm_config(Cfg())
 
 
 def test_unsupported_vllm_versions_are_refused():

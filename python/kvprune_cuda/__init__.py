@@ -9,6 +9,7 @@ plain PyTorch.
 from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
 from kvprune_cuda import _fake_decode  # noqa: F401  (fake impls of the decode ops)
 from kvprune_cuda import paged  # noqa: F401  (kp.paged.*: engine-native block-table caches)
+from kvprune_cuda import policy  # noqa: F401  (kp.policy: the compression policies, torch-only)
 from kvprune_cuda import testing  # noqa: F401  (kp.testing.emulate_cuda)
 from kvprune_cuda._ops import (
     KeptKV,

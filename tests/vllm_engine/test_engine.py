@@ -76,7 +76,7 @@ def run_vllm(model_dir, prompts, **kwargs):
 def expected_freed(policy):
     freed = 0
     for n in PROMPT_LENS:
-        kept = kp.vllm.Policy(policy, BUDGET).kept_tokens(n)
+        kept = kp.vllm.kept_tokens(kp.vllm.engine_policy(policy, BUDGET), n)
         if kept is not None:
             freed += -(-n // BLOCK) - (-(-kept // BLOCK))
     return freed
@@ -141,7 +141,7 @@ def test_streaming_keeps_sinks_and_recent(model_dir, hf_model, prompts):
             # select_keep on an increasing ramp keeps the sinks and the most recent tokens.
             ramp = torch.arange(n, dtype=torch.float32).expand(1, 2, n).contiguous()
             for i in range(hf_model.config.num_hidden_layers):
-                comp.compress_layer(cache, i, scores=ramp)
+                comp.compress_layer(cache, i, ramp)
         return comp, apply
 
     ref = []

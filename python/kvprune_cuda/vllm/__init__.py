@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from kvprune_cuda.vllm._policy import CONFIG_KEY, POLICIES, Policy
+from kvprune_cuda.vllm._policy import CONFIG_KEY, POLICIES, engine_policy, kept_tokens
 
 SUPPORTED_VLLM = ("0.32.0",)
 
@@ -49,7 +49,8 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
     into the result; do not override the ones it sets."""
-    p = Policy(policy, budget, n_sink, window, kernel_size, pool, gqa)
+    p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
+                      pool=pool, gqa=gqa)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
@@ -59,4 +60,5 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
     }
 
 
-__all__ = ["engine_args", "check_vllm_version", "Policy", "POLICIES", "SUPPORTED_VLLM"]
+__all__ = ["engine_args", "check_vllm_version", "engine_policy", "kept_tokens", "POLICIES",
+           "SUPPORTED_VLLM"]

@@ -2,7 +2,7 @@
 
 :class:`Scheduler` is vLLM's scheduler with two additions:
 
-* after a step that computed a request's whole prompt (:meth:`Policy.compresses`, the
+* after a step that computed a request's whole prompt (:func:`~kvprune_cuda.vllm._policy.compresses`, the
   workers' rule), the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the worker has compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
@@ -21,7 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.request import RequestStatus
 
 from kvprune_cuda.vllm import check_vllm_version
-from kvprune_cuda.vllm._policy import Policy
+from kvprune_cuda.vllm import _policy
 
 
 class Scheduler(_VllmScheduler):
@@ -30,7 +30,7 @@ class Scheduler(_VllmScheduler):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version(vllm.__version__)
         super().__init__(*args, **kwargs)
-        self.kvprune_policy = Policy.from_vllm_config(self.vllm_config)
+        self.kvprune_policy = _policy.from_vllm_config(self.vllm_config)
         self.kvprune_evicted: dict[str, int] = {}   # req_id -> tokens evicted, while running
         self.kvprune_freed_blocks = 0               # blocks returned to the pool so far
         self._compressing: dict[str, int] = {}      # req_id -> kept, for the step in flight
@@ -52,8 +52,8 @@ class Scheduler(_VllmScheduler):
         output = super().schedule(*args, **kwargs)
         for new in output.scheduled_new_reqs:
             request = self.requests[new.req_id]
-            kept = self.kvprune_policy.compresses(
-                new.num_computed_tokens, output.num_scheduled_tokens[new.req_id],
+            kept = _policy.compresses(
+                self.kvprune_policy, new.num_computed_tokens, output.num_scheduled_tokens[new.req_id],
                 request.num_prompt_tokens)
             if kept is not None:
                 self._compressing[new.req_id] = kept

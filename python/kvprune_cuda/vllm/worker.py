@@ -3,7 +3,7 @@
 :class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
 
 1. ``_prepare_inputs`` (wrapped): notes the rows whose step computes their whole prompt
-   (:meth:`Policy.compresses`, the scheduler's rule), and, for requests compressed in an
+   (:func:`~kvprune_cuda.vllm._policy.compresses`, the scheduler's rule), and, for requests compressed in an
    earlier step, makes attention see the compacted cache: their ``seq_lens`` shrink by
    the evicted count ``e`` and the slot of a token at position p is computed for
    position ``p - e``. Positions themselves (RoPE) stay the original ones.
@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
 from kvprune_cuda.vllm import check_vllm_version
-from kvprune_cuda.vllm._policy import Policy
+from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import compact_request
 
@@ -46,7 +46,7 @@ class _Row:
 class RunnerHooks:
     """The three hooks of the module doc on one vLLM (CPU) model runner."""
 
-    def __init__(self, runner, policy: Policy) -> None:
+    def __init__(self, runner, policy) -> None:
         self.runner, self.policy = runner, policy
         self.block_size = runner.cache_config.block_size
         self.evicted: dict[str, int] = {}  # req_id -> tokens evicted from its cache
@@ -85,7 +85,7 @@ class RunnerHooks:
         num_reqs = batch.num_reqs
         self.plan = []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
-            kept = self.policy.compresses(int(batch.num_computed_tokens_cpu[row]),
+            kept = _policy.compresses(self.policy, int(batch.num_computed_tokens_cpu[row]),
                                           scheduler_output.num_scheduled_tokens[req_id],
                                           int(batch.num_prompt_tokens[row]))
             if kept is not None:
@@ -158,7 +158,7 @@ class CPUWorker(_VllmCPUWorker):
     def initialize_from_config(self, kv_cache_config) -> None:
         check_vllm_version(vllm.__version__)
         super().initialize_from_config(kv_cache_config)
-        self.kvprune = RunnerHooks(self.model_runner, Policy.from_vllm_config(self.vllm_config))
+        self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config))
 
     def kvprune_stats(self) -> dict:
         """Compactions done and requests held compressed (``llm.collective_rpc``)."""

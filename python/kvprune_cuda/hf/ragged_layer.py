@@ -1,5 +1,5 @@
 """A transformers cache layer whose KV heads hold different numbers of tokens (kp.hf's
-``budget_scope="head"``). Imported by :mod:`kvprune_cuda.hf` at the point of use.
+``budget_scope="head"``).
 
 The compressed context is packed: head ``(b, h)`` holds its ``lens[b, h]`` kept tokens,
 ascending by position, one after the other in ``past_k`` / ``past_v`` ``[sum(lens), D]``, so
@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 from transformers.cache_utils import DynamicLayer
+
+import kvprune_cuda as kp
 
 
 class RaggedLayer(DynamicLayer):
@@ -46,7 +48,9 @@ class RaggedLayer(DynamicLayer):
         valid = torch.arange(self.width)[None, None, :] < lens[..., None]  # [B, Hkv, P]
         self._valid = valid.to(self.device)
         head, pos = valid.view(b * hkv, self.width).nonzero(as_tuple=True)  # of each packed token
-        self._head, self._pos = head.to(self.device), pos.to(self.device)
+        # int32 [sum(lens)]: the packed tokens' head (b * Hkv + h) and slot in the padded view
+        self._head = head.to(device=self.device, dtype=torch.int32)
+        self._pos = pos.to(device=self.device, dtype=torch.int32)
 
     @classmethod
     def from_selection(cls, k: torch.Tensor, v: torch.Tensor, idx: list) -> "RaggedLayer":
@@ -65,9 +69,11 @@ class RaggedLayer(DynamicLayer):
         """int64 [B, Hkv]: tokens held per head (kept context + appended)."""
         return self.lens + self.new_k.shape[2]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.past_k, self.past_v, self.new_k,
-                                                          self.new_v))
+    def tensors(self) -> list:
+        """What the layer holds: the packed and appended K/V, the counts, the padded view's
+        validity and the packed tokens' int32 slot indices."""
+        return [self.past_k, self.past_v, self.new_k, self.new_v, self.lens, self._valid,
+                self._head, self._pos]
 
     def valid(self) -> torch.Tensor:
         """bool [B, Hkv, P]: which slots of the padded context part hold a token."""
@@ -82,7 +88,8 @@ class RaggedLayer(DynamicLayer):
         """[B, Hkv, P + t, D]: no host sync (the packed tokens' slots are precomputed)."""
         b, hkv, t, d = new.shape
         out = past.new_zeros(b, hkv, self.width + t, d)
-        out.view(-1, d).index_copy_(0, self._head * (self.width + t) + self._pos, past)
+        slot = self._head.long() * (self.width + t) + self._pos
+        out.view(-1, d).index_copy_(0, slot, past)
         out[:, :, self.width:] = new
         return out
 
@@ -146,8 +153,6 @@ def ragged_layer(k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, counts:
     ``(b, h)`` keeps :func:`kvprune_cuda.select_keep` of its ``scores`` (fp32 [B, Hkv, n])
     with budget ``counts[b, h]`` (int64 [B, Hkv], e.g. a layer of
     :func:`kvprune_cuda.head_budgets`; at most ``n`` are kept, so no index is -1)."""
-    import kvprune_cuda as kp
-
     b, hkv, n = scores.shape
     idx = [[None] * hkv for _ in range(b)]
     for i in range(b):

@@ -1,5 +1,5 @@
 """A transformers cache layer that is a fixed-capacity kvprune decode cache (kp.hf's "streaming"
-and "h2o" once a prefill is compressed). Imported by :mod:`kvprune_cuda.hf` at the point of use.
+and "h2o" once a prefill is compressed).
 
 A forward of T new tokens on a layer of capacity C:
 
@@ -58,6 +58,11 @@ class FixedCapacityLayer(DynamicLayer):
         """An independent copy (every tensor cloned), e.g. to decode one question of many."""
         c = kp.DecodeCache(*(None if t is None else t.clone() for t in self.decode))
         return FixedCapacityLayer(c, n_sink=self.n_sink, recent=self.recent)
+
+    def tensors(self) -> list:
+        """What the layer holds: K/V slots, their int32 positions, the rows' int32 token
+        counts and h2o's fp32 slot scores."""
+        return [t for t in self.decode if t is not None]
 
     def room(self) -> int:
         """The most new tokens one forward may bring (they must not evict each other)."""

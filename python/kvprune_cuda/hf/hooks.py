@@ -1,0 +1,319 @@
+"""The hooks that make a transformers model record evidence for, and run on, a compressed cache.
+
+A forward hook on every attention module recomputes that layer's post-RoPE queries from
+the layer input (the module's own ``q_proj`` / ``q_norm`` / ``apply_rotary_pos_emb``), only as
+many as the observed policies use (:meth:`~kvprune_cuda.policy.Policy.observed_queries`:
+snapkv its window, h2o all of them, streaming / kvzip / full none), and records them
+(:mod:`~kvprune_cuda.hf.scoring`). With ``compress_on_prefill`` it compresses the layer's
+``DynamicCache`` entry right after the prefill forward of that layer
+(:mod:`~kvprune_cuda.hf.select`). Kept keys keep their original RoPE rotation and new tokens
+keep their original positions (``cache_position`` / ``position_ids`` count tokens seen, not
+tokens held), so nothing is re-rotated. Once a cache is compressed the hooks build each
+layer's attention mask themselves (``[B, Hq, q, held + q]``, additive), so left-padded batches
+and multi-token forwards on a compressed cache stay exact; a fixed-capacity layer (streaming,
+h2o) fills its own. Only ``DynamicCache`` (the default) with eager or SDPA attention is
+supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+
+from kvprune_cuda import policy as policies
+from kvprune_cuda.hf import scoring, select
+from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
+from kvprune_cuda.hf.lse import attention_lse
+from kvprune_cuda.hf.memory import tensor_bytes
+from kvprune_cuda.hf.scoring import FIXED, LayerState
+
+
+class KVCompressor:
+    """Hooks that make ``model`` compress its DynamicCache. Prefer :func:`compress` and
+    :func:`~kvprune_cuda.hf.compress_context`.
+
+    ``policy``: a name of :data:`kvprune_cuda.policy.POLICIES` (built with the options) or a
+    :class:`~kvprune_cuda.policy.Policy`. ``observe``: further policies whose evidence is
+    recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
+    ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
+    reconstruction forwards of :meth:`score_reconstruction`).
+
+    After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
+    (tokens each layer holds per head right after compression; None when layers or heads
+    differ); :attr:`nbytes`: what the hooks' own state holds.
+    """
+
+    def __init__(self, model, policy: Union[str, "policies.Policy"] = "snapkv",
+                 budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
+                 window: Optional[int] = None, kernel_size: Optional[int] = None,
+                 pool: Optional[str] = None, gqa: Optional[str] = None,
+                 compress_on_prefill: bool = True,
+                 observe: Iterable["policies.Policy"] = ()) -> None:
+        self.policy = policies.make(policy, budget=budget, n_sink=n_sink, window=window,
+                                    kernel_size=kernel_size, pool=pool, gqa=gqa)
+        if isinstance(self.policy, policies.KVzip) and compress_on_prefill:
+            raise ValueError("policy: 'kvzip' scores by reconstructing the context after its "
+                             "prefill; use kp.hf.compress_context")
+        self.observed = [self.policy, *observe]
+        self.model = model
+        self.compress_on_prefill = compress_on_prefill
+        self.base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+        self.attn = [m for m in model.modules()
+                     if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+        if not self.attn:
+            raise ValueError("model: no attention modules with q_proj/k_proj/layer_idx found")
+        self._handles: list = []
+        self._has_cache_position = takes_cache_position(self.base)
+        self._reconstruction: Optional[dict] = None  # while score_reconstruction runs
+        self.reset()
+
+    # ----------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Forgets the sequence (a new prefill starts from an empty cache)."""
+        self.layers = [LayerState() for _ in self.attn]
+        self.seen = 0                    # tokens processed so far (original positions)
+        self.prompt_len: Optional[int] = None
+        self.compressed_len: Optional[int] = None
+        self.prefill_valid: Optional[torch.Tensor] = None  # bool [B, N] of the prefill
+        self._new_valid: Optional[torch.Tensor] = None     # bool [B, q] of the current forward
+        self._cache = None                                 # the cache of the forward running
+
+    @property
+    def compressed(self) -> bool:
+        return any(s.compressed for s in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the hooks' state holds (recorded queries and scores, slot masks)."""
+        return sum(s.nbytes() for s in self.layers) + tensor_bytes((self.prefill_valid,))
+
+    def snapshot(self) -> dict:
+        """The recorded state (shares tensors; the hooks replace them, never write in place)."""
+        return {"layers": [s.copy() for s in self.layers], "seen": self.seen,
+                "prompt_len": self.prompt_len, "compressed_len": self.compressed_len,
+                "prefill_valid": self.prefill_valid}
+
+    def restore(self, snap: dict) -> None:
+        self.layers = [s.copy() for s in snap["layers"]]
+        self.seen, self.prompt_len = snap["seen"], snap["prompt_len"]
+        self.compressed_len, self.prefill_valid = snap["compressed_len"], snap["prefill_valid"]
+
+    # ----------------------------------------------------------------- hooks
+    def attach(self) -> "KVCompressor":
+        if self._handles:
+            return self
+        h = self._handles
+        h.append(self.base.register_forward_pre_hook(self._base_pre, with_kwargs=True))
+        h.append(self.base.register_forward_hook(self._base_post, with_kwargs=True))
+        for m in self.attn:
+            h.append(m.register_forward_pre_hook(self._attn_pre, with_kwargs=True))
+            h.append(m.register_forward_hook(self._attn_post, with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _base_pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        x = ids if ids is not None else kwargs.get("inputs_embeds")
+        b, q = x.shape[0], x.shape[1]
+        cache = cache_arg(kwargs)
+        held = cache.get_seq_length() if cache is not None else 0
+        if held == 0:
+            self.reset()
+        self._cache = cache
+        mask = kwargs.get("attention_mask")
+        mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        new_valid = (mask2d[:, -q:].bool() if mask2d is not None
+                     else torch.ones(b, q, dtype=torch.bool, device=x.device))
+        self._new_valid = new_valid
+        fixed = any(s.layout == FIXED for s in self.layers)
+        if mask2d is not None and fixed and not bool(new_valid.all()):
+            raise ValueError("attention_mask: new tokens on a streaming / h2o cache cannot be padding")
+        if not self.compressed:
+            self.seen = held
+            if held == 0:
+                self.prefill_valid = new_valid
+            elif self.prefill_valid is not None:
+                self.prefill_valid = torch.cat([self.prefill_valid, new_valid], 1)
+            return args, kwargs
+        pos = torch.arange(self.seen, self.seen + q, device=x.device)
+        if self._has_cache_position and kwargs.get("cache_position") is None:
+            kwargs["cache_position"] = pos
+        if kwargs.get("position_ids") is None:
+            cp = kwargs.get("cache_position")
+            kwargs["position_ids"] = (pos if cp is None else cp).unsqueeze(0).expand(b, q)
+        kwargs["attention_mask"] = None  # each attention layer gets its own mask (_attn_pre)
+        return args, kwargs
+
+    def _base_post(self, module, args, kwargs, output):
+        self.seen += self._new_valid.shape[1]
+        self._cache = self._new_valid = None  # the forward's own: nothing outlives it
+        return output
+
+    def _attn_pre(self, module, args, kwargs):
+        st = self.layers[module.layer_idx]
+        if not st.compressed:
+            return args, kwargs
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        b, q = hs.shape[:2]
+        hq = module.config.num_attention_heads
+        if st.layout == FIXED:  # the layer fills the mask once the new tokens are in their slots
+            layer = self._cache.layers[module.layer_idx]
+            kwargs["attention_mask"] = layer.expect(hq, q, hs.dtype)
+            return args, kwargs
+        past = st.slot_valid                                              # [B, Hkv, P]
+        g = hq // past.shape[1]
+        causal = torch.ones(q, q, dtype=torch.bool, device=hs.device).tril()
+        new = self._new_valid[:, None, None, :] & causal                  # [B, 1, q, q]
+        if bool(past.all()):
+            pm = torch.ones(b, 1, q, past.shape[2], dtype=torch.bool, device=hs.device)
+            allowed = torch.cat([pm, new], -1)
+        else:
+            pm = past.repeat_interleave(g, 1)[:, :, None, :].expand(b, hq, q, past.shape[2])
+            allowed = torch.cat([pm, new.expand(b, hq, q, q)], -1)
+        m = torch.zeros(allowed.shape, dtype=hs.dtype, device=hs.device)
+        kwargs["attention_mask"] = m.masked_fill_(~allowed, torch.finfo(hs.dtype).min)
+        return args, kwargs
+
+    def _attn_post(self, module, args, kwargs, output):
+        i = module.layer_idx
+        st = self.layers[i]
+        cache = cache_arg(kwargs) or self._cache
+        if cache is None:
+            return output
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        q_len = hs.shape[1]
+        if st.layout == FIXED:
+            layer = cache.layers[i]
+            if layer.h2o:
+                cos, sin = kwargs["position_embeddings"]
+                queries = scoring.post_rope_queries(module, hs, cos, sin).to(layer.keys.dtype)
+                layer.accumulate(queries, scale=getattr(module, "scaling", None),
+                                 gqa=self.policy.gqa)
+            return output
+        if st.compressed:  # masked or ragged: the new tokens join the slot validity
+            nv = self._new_valid[:, None, :].expand(-1, st.slot_valid.shape[1], -1)
+            st.slot_valid = torch.cat([st.slot_valid, nv], 2)
+            return output
+        k = cache_kv(cache, i)[0]
+        if self._reconstruction is not None:
+            self._fold(module, st, hs, kwargs["position_embeddings"], k)
+            return output
+        n_q = max(p.observed_queries(q_len) for p in self.observed)
+        if n_q:
+            cos, sin = kwargs["position_embeddings"]
+            qn = scoring.post_rope_queries(module, hs[:, q_len - n_q:], cos[:, q_len - n_q:],
+                                           sin[:, q_len - n_q:]).to(k.dtype)
+            self._record(st, qn, k)
+        if self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:  # a prefill
+            n, held = k.shape[2], k.shape[2]
+            if not isinstance(self.policy, policies.Full):  # full: plain attention, no masks
+                held = select.compress_layer(st, cache, i, self.policy,
+                                             self.policy.kept_tokens(n), self.prefill_valid)
+            self.prompt_len, self.compressed_len = n, held
+        return output
+
+    def _record(self, st: LayerState, qn: torch.Tensor, k: torch.Tensor) -> None:
+        """Records the observed queries ``qn`` [B, Hq, n_q, D] for every observed policy."""
+        window = max((p.window for p in self.observed if isinstance(p, policies.SnapKV)),
+                     default=0)
+        if window:
+            scoring.record_queries(st, qn, window)
+        for p in self.observed:
+            if isinstance(p, policies.H2O):
+                pad = scoring.left_padding(self.prefill_valid, k.shape[2])
+                scoring.accumulate_h2o(st, p, qn, k, pad)
+                break
+
+    # ----------------------------------------------------------------- kvzip
+    def score_reconstruction(self, forward_chunks: Callable[[], Iterator[tuple[int, int]]],
+                             kvzip: Optional["policies.KVzip"] = None) -> None:
+        """KVzip scoring of the uncompressed context the cache holds (``self.seen`` tokens):
+        ``forward_chunks()`` is a generator that runs the teacher-forced reconstruction
+        forwards, yielding before each the span ``(start, end)`` of the context positions it
+        reconstructs, and crops the cache back to the context after each. Per layer, each
+        context key's score is the largest attention probability any reconstruction query
+        gives it (``kvzip.gqa`` over a KV group; ``kvzip.softmax``: the keys it is normalised
+        over); ``kvzip`` defaults to the compressor's policy."""
+        kvzip = kvzip or self.policy
+        if not isinstance(kvzip, policies.KVzip):
+            raise ValueError(f"kvzip: expected a kp.policy.KVzip, got {kvzip!r}")
+        n = self.seen
+        if scoring.left_padding(self.prefill_valid, n) is not None:
+            raise ValueError("context_ids: kvzip scoring needs rows without padding")
+        snap = self.snapshot()
+        self._reconstruction = {"n": n, "policy": kvzip, "span": None, "lse": {}}
+        try:
+            with attention_lse(self.model, self._reconstruction["lse"]):
+                for span in forward_chunks():
+                    self._reconstruction["span"] = span
+        finally:
+            self._reconstruction = None
+            scores = [s.kvzip for s in self.layers]
+            self.restore(snap)
+        for st, s in zip(self.layers, scores):
+            st.kvzip = s
+
+    def _fold(self, module, st: LayerState, hs, position_embeddings, k) -> None:
+        rec = self._reconstruction
+        qn, lse = rec["lse"].pop(module.layer_idx, (None, None))
+        if qn is None:
+            qn = scoring.post_rope_queries(module, hs, *position_embeddings)
+        scoring.fold_reconstruction(st, rec["policy"], qn, lse, k, rec["n"], rec["span"],
+                                    getattr(module, "scaling", None))
+
+    # ----------------------------------------------------------------- compression
+    def selection_scores(self, cache, i: int, policy: Optional["policies.Policy"] = None
+                         ) -> torch.Tensor:
+        """fp32 [B, Hkv, n]: the scores ``policy`` (default the compressor's) ranks layer
+        ``i``'s uncompressed, unpadded cache by (:func:`~kvprune_cuda.hf.scoring.selection_scores`)."""
+        k = cache_kv(cache, i)[0]
+        if scoring.left_padding(self.prefill_valid, k.shape[2]) is not None:
+            raise ValueError("attention_mask: ranking scores needs rows without padding")
+        return scoring.selection_scores(self.layers[i], policy or self.policy, k, i)
+
+    def compress_layer(self, cache, i: int, scores: torch.Tensor,
+                       kept: Optional[int] = None) -> None:
+        """Compresses layer ``i`` of ``cache`` (uncompressed) to ``kept`` tokens per KV head
+        (default the policy's count for its length), each head keeping the sinks, the window
+        and its top ``scores`` (fp32 [B, Hkv, n], e.g. a scoring of your own)."""
+        n = cache_kv(cache, i)[0].shape[2]
+        kept = self.policy.kept_tokens(n) if kept is None else kept
+        held = select.compress_layer(self.layers[i], cache, i, self.policy, kept,
+                                     self.prefill_valid, scores)
+        self.prompt_len, self.compressed_len = n, held
+
+    def compress_cache(self, cache, policy: Optional["policies.Policy"] = None,
+                       budget: Union[int, float, None] = None, scope: str = "layer") -> None:
+        """Compresses every layer of ``cache`` now (e.g. a context before its question
+        arrives) under ``policy`` (default the compressor's, which it then becomes) to
+        ``budget`` (default the policy's) shared as ``scope`` says (:mod:`~kvprune_cuda.hf.select`)."""
+        policy = policy or self.policy
+        budget = policy.budget if budget is None else budget
+        n = cache_kv(cache, 0)[0].shape[2]
+        self.compressed_len = select.compress_cache(self.layers, cache, policy, budget, scope,
+                                                    self.prefill_valid)
+        self.prompt_len, self.policy = n, policy
+
+
+@contextlib.contextmanager
+def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
+             window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
+             ) -> Iterator[KVCompressor]:
+    """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
+    tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
+    ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o"; see
+    :mod:`kvprune_cuda.policy`). Yields the :class:`KVCompressor` (``prompt_len``,
+    ``compressed_len``, ``nbytes``)."""
+    comp = KVCompressor(model, policy, budget, n_sink=n_sink, window=window,
+                        kernel_size=kernel_size, pool=pool, gqa=gqa).attach()
+    try:
+        yield comp
+    finally:
+        comp.detach()
+

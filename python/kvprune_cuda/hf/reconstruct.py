@@ -1,0 +1,98 @@
+"""kvzip's reconstruction: the "repeat the previous context" prompts (:class:`RepeatPrompt`) and
+the teacher-forced forwards that feed them, chunk by chunk, on the uncompressed context cache
+(:func:`reconstruction_forwards`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from kvprune_cuda.hf._compat import cache_kv, cache_name, num_layers, set_cache_kv
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of kvzip's reconstruction queries.
+
+    Chunk ``c`` of the context (positions ``[skip, n)`` cut into ``chunk_size`` pieces) is
+    reconstructed by ``first`` (c = 0) or ``next`` + the last ``overlap`` tokens of chunk
+    ``c-1``, then ``suffix`` (what closes the user's turn and opens the answer), then the
+    chunk's own tokens. ``skip`` leading tokens (a chat template's header) are not
+    reconstructed, but they are scored like every other context key.
+    """
+
+    first: Sequence[int]
+    next: Sequence[int]
+    suffix: Sequence[int]
+    skip: int = 0
+    overlap: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("skip", "overlap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, context_ids: Optional[torch.Tensor] = None) -> "RepeatPrompt":
+        """The prompts, closed by the chat template's end of a user turn when the tokenizer has
+        a template (``"\\n"`` otherwise); ``skip`` is the template's header length when
+        ``context_ids`` starts with it."""
+        ids = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+        pre, post = "", "\n"
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}],
+                                                 add_generation_prompt=True, tokenize=False)
+            pre, post = text.split("@@", 1)
+        head = ids(pre) if pre else []
+        skip = 0
+        if context_ids is not None and head and context_ids.shape[1] > len(head):
+            if context_ids[:, :len(head)].eq(torch.tensor(head, device=context_ids.device)).all():
+                skip = len(head)
+        return cls(first=ids(FIRST_PROMPT), next=ids(NEXT_PROMPT), suffix=ids(post), skip=skip)
+
+    def spans(self, n: int, chunk_size: int) -> list[tuple[int, int]]:
+        """The context positions ``[start, end)`` each chunk reconstructs."""
+        return [(s, min(s + chunk_size, n)) for s in range(self.skip, n, chunk_size)]
+
+    def chunks(self, context_ids: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
+        """The reconstruction inputs, one ``[B, r_c]`` tensor per chunk (of :meth:`spans`)."""
+        n = context_ids.shape[1]
+        if self.skip >= n:
+            raise ValueError(f"repeat_prompt: skip = {self.skip} leaves none of the {n} context "
+                             "tokens to reconstruct")
+        dev, b = context_ids.device, context_ids.shape[0]
+        row = lambda xs: torch.tensor(list(xs), dtype=context_ids.dtype, device=dev).expand(b, -1)  # noqa: E731
+        out, prev = [], None
+        for s, e in self.spans(n, chunk_size):
+            piece = context_ids[:, s:e]
+            head = row(self.first) if prev is None else torch.cat(
+                [row(self.next), prev[:, max(prev.shape[1] - self.overlap, 0):]], 1)
+            out.append(torch.cat([head, row(self.suffix), piece], 1))
+            prev = piece
+        return out
+
+
+def reconstruction_forwards(base, cache, prompt: RepeatPrompt, context_ids: torch.Tensor,
+                            chunk_size: int) -> Iterator[tuple[int, int]]:
+    """Runs the reconstruction forwards of ``context_ids`` [B, n] through ``base`` (the model's
+    decoder) on ``cache``, yielding each chunk's context span ``(start, end)`` before its
+    forward, and crops the cache back to the context after each (the reconstruction tokens'
+    own keys are dropped; after the last, the context's K/V are copied out of the buffer that
+    also held them, which the cache would otherwise keep alive). For
+    :meth:`KVCompressor.score_reconstruction`."""
+    n = context_ids.shape[1]
+    chunks = prompt.chunks(context_ids, chunk_size)
+    for c, (ids, span) in enumerate(zip(chunks, prompt.spans(n, chunk_size))):
+        yield span
+        base(input_ids=ids, use_cache=True, **{cache_name(base): cache})
+        last = c == len(chunks) - 1
+        for i in range(num_layers(cache)):
+            k, v = cache_kv(cache, i)
+            k, v = k[:, :, :n], v[:, :, :n]
+            set_cache_kv(cache, i, k.clone() if last else k, v.clone() if last else v)

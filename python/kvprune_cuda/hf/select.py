@@ -1,0 +1,126 @@
+"""Selection and compaction: how many tokens each layer (or KV head) keeps, which ones, and
+the compressed cache layer that holds them.
+
+One budget's walk: :func:`compress_cache` resolves it once against the context length
+(``policy.kept_tokens``), then per scope -- "layer": every layer keeps that count;
+"global": :func:`kvprune_cuda.layer_budgets` shares ``L x`` it over the layers by the
+policy's scores; "head": :func:`kvprune_cuda.head_budgets` shares it over every (layer, row,
+KV head) -- and :func:`compress_layer` / :func:`compress_heads` select and compact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+import kvprune_cuda as kp
+from kvprune_cuda import policy as policies
+from kvprune_cuda.hf import scoring
+from kvprune_cuda.hf._compat import cache_kv, set_cache_kv
+from kvprune_cuda.hf.fixed_layer import fixed_layer
+from kvprune_cuda.hf.ragged_layer import ragged_layer
+from kvprune_cuda.hf.scoring import FIXED, MASKED, RAGGED, LayerState
+
+
+def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kept: int,
+                   prefill_valid: Optional[torch.Tensor],
+                   scores: Optional[torch.Tensor] = None) -> int:
+    """Compresses layer ``i`` of ``cache`` (uncompressed) to ``kept`` tokens per KV head;
+    returns the tokens the layer then holds per head. Each head keeps ``kp.select_keep`` of
+    ``scores`` (fp32 [B, Hkv, n], unpadded rows; default the policy's own: snapkv runs the
+    fused ``kp.snapkv``, streaming ``kp.streaming``). Fixed-capacity policies (streaming,
+    h2o) become a FixedCapacityLayer of ``kept`` slots; the others stay dense, with
+    ``st.slot_valid`` marking the holes of left-padded rows."""
+    k, v = cache_kv(cache, i)
+    b, hkv, n, _ = k.shape
+    pad = scoring.left_padding(prefill_valid, n)
+    fixed = policy.fixed_capacity
+    if kept >= n and not fixed:
+        valid = (torch.ones(b, n, dtype=torch.bool, device=k.device)
+                 if prefill_valid is None or prefill_valid.shape[1] != n else prefill_valid)
+        st.slot_valid, st.layout = valid[:, None, :].expand(b, hkv, n).clone(), MASKED
+        st.drop_evidence()
+        return n
+    lens = None
+    if pad is not None:
+        k, v = scoring.shift_rows(k, pad, 2), scoring.shift_rows(v, pad, 2)
+        lens = (n - pad).to(torch.int32)
+    if kept >= n:  # streaming / h2o with room to spare: everything, the cache fills later
+        pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, hkv, n)
+        kk, vv, idx = k, v, (pos if lens is None else
+                             torch.where(pos < lens[:, None, None], pos, -1))
+    elif scores is None and isinstance(policy, policies.Streaming):
+        kk, vv, idx = kp.streaming(k, v, kept, n_sink=policy.n_sink, seq_lens=lens)
+    elif scores is None and isinstance(policy, policies.SnapKV):
+        q = st.queries[:, :, st.queries.shape[2] - policy.window:]
+        kk, vv, idx = kp.snapkv(q, k, v, kept, n_sink=policy.n_sink, window=policy.window,
+                                kernel_size=policy.kernel_size, pool=policy.pool, gqa=policy.gqa,
+                                seq_lens=lens)
+    else:
+        s = scoring.selection_scores(st, policy, k, i) if scores is None else scores
+        s = s if pad is None else scoring.shift_rows(s, pad, 2)
+        idx = kp.select_keep(s.contiguous(), kept, n_sink=policy.n_sink, window=policy.window,
+                             seq_lens=lens)
+        kk, vv = kp.gather_kv(k, v, idx)
+    h2o = None
+    if isinstance(policy, policies.H2O):  # the kept slots' accumulated attention goes along
+        s = scoring.selection_scores(st, policy, k, i)
+        s = s if pad is None else scoring.shift_rows(s, pad, 2)
+        h2o = torch.gather(s, 2, idx.clamp_min(0).long()) * (idx >= 0)
+    st.drop_evidence()
+    if not fixed:
+        set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+        st.slot_valid, st.layout = idx >= 0, MASKED
+        return min(kept, n)
+    seen = torch.full((b,), n, dtype=torch.int32, device=k.device) if lens is None else lens
+    cache.layers[i] = fixed_layer(kk, vv, idx, seen, capacity=kept, n_sink=policy.n_sink,
+                                  recent=policy.window, h2o_scores=h2o)
+    st.slot_valid, st.layout = None, FIXED
+    return min(kept, n)
+
+
+def compress_heads(st: LayerState, cache, i: int, policy: "policies.Policy",
+                   counts: torch.Tensor, scores: torch.Tensor,
+                   prefill_valid: Optional[torch.Tensor]) -> None:
+    """Compresses layer ``i`` (uncompressed, unpadded rows) to ``counts[b, h]`` tokens per KV
+    head (int64 [B, Hkv]), each head keeping its top ``scores`` (fp32 [B, Hkv, n]); the layer
+    becomes a RaggedLayer that frees the rest."""
+    k, v = cache_kv(cache, i)
+    if scoring.left_padding(prefill_valid, k.shape[2]) is not None:
+        raise ValueError("attention_mask: per-head budgets need rows without padding")
+    cache.layers[i] = ragged_layer(k, v, scores, counts, n_sink=policy.n_sink,
+                                   window=policy.window)
+    st.slot_valid, st.layout = cache.layers[i].valid(), RAGGED
+    st.drop_evidence()
+
+
+def compress_cache(states: Sequence[LayerState], cache, policy: "policies.Policy",
+                   budget: Union[int, float], scope: str,
+                   prefill_valid: Optional[torch.Tensor]) -> Optional[int]:
+    """Compresses every layer of ``cache`` (uncompressed, ``n`` tokens) to ``budget`` under
+    ``scope`` (module doc); returns the tokens each layer holds per head when they are all
+    equal, else None."""
+    if scope not in policies.SCOPES:
+        raise ValueError(f"budget_scope: expected one of {policies.SCOPES}, got {scope!r}")
+    if scope != "layer" and not policy.ranks:
+        raise ValueError(f"budget_scope: {scope!r} ranks scores; policy {policy.name!r} has none")
+    n = cache_kv(cache, 0)[0].shape[2]
+    kept = policy.kept_tokens(n, budget)
+    layers = range(len(states))
+    if scope == "layer":
+        held = {compress_layer(states[i], cache, i, policy, kept, prefill_valid) for i in layers}
+        return held.pop() if len(held) == 1 else None
+    if scoring.left_padding(prefill_valid, n) is not None:
+        raise ValueError(f"attention_mask: budget_scope {scope!r} needs rows without padding")
+    scores = [scoring.selection_scores(states[i], policy, cache_kv(cache, i)[0], i)
+              for i in layers]
+    if scope == "head":
+        counts = kp.head_budgets(scores, kept, n_sink=policy.n_sink, window=policy.window)
+        for i in layers:
+            compress_heads(states[i], cache, i, policy, counts[i], scores[i], prefill_valid)
+        return None
+    per_layer = kp.layer_budgets(scores, kept, n_sink=policy.n_sink, window=policy.window)
+    for i in layers:  # selects from the scores just ranked
+        compress_layer(states[i], cache, i, policy, per_layer[i], prefill_valid, scores[i])
+    return per_layer[0] if len(set(per_layer)) == 1 else None

@@ -1,0 +1,246 @@
+"""The compression policies, one small class each, shared by ``kp.hf`` and ``kp.vllm``.
+
+Torch-only (no transformers, no vllm). A policy object holds its options, validates them
+(a ValueError naming the argument) and answers three questions for any integration:
+
+* how many tokens a prompt of ``n`` keeps (:meth:`Policy.kept_tokens`: ``budget`` resolved
+  against ``n``, never below :attr:`Policy.min_keep`, the sinks and the recent window);
+* how many of the prompt's last queries it observes (:meth:`Policy.observed_queries`), so an
+  integration computes and keeps no query the policy does not use;
+* how it scores the keys (:meth:`Policy.score`, fp32 ``[B, Hkv, n]``; higher is kept first by
+  :func:`kvprune_cuda.select_keep`, after the ``n_sink`` sinks and the last ``window``
+  tokens, which every policy keeps).
+
+Adding a policy is one class here (and its entry in :data:`POLICIES`) plus its test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, Optional, Union
+
+import torch
+
+import kvprune_cuda as kp
+
+SCOPES = ("layer", "global", "head")  # how a budget is shared: per layer, over layers, per head
+GQA = ("mean", "max", "sum")
+
+
+def resolve_budget(budget: Union[int, float], n: int) -> int:
+    """Tokens kept for a prompt of ``n`` tokens: ``round(budget * n)`` (at least 1) for a float
+    in (0, 1], else the int ``budget``."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget: expected a fraction in (0, 1] or a token count, got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget: a float must be a fraction in (0, 1], got {budget}")
+        return max(1, int(round(budget * n)))
+    if budget < 1:
+        raise ValueError(f"budget: a token count must be >= 1, got {budget}")
+    return int(budget)
+
+
+def _check_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Keep the ``n_sink`` first and the ``window`` last tokens, plus the best-scored others,
+    ``budget`` tokens in all (a fraction of the prompt in (0, 1] or a count)."""
+
+    name: ClassVar[str] = ""
+    fixed_capacity: ClassVar[bool] = False  # kp.hf: decoding evicts, holding `budget` slots
+    default_scope: ClassVar[str] = "layer"   # kp.hf.compress_context's measured default
+
+    budget: Union[int, float] = 0.2
+    n_sink: int = 4
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        resolve_budget(self.budget, 1)
+        _check_int("n_sink", self.n_sink, 0)
+        _check_int("window", self.window, 0)
+        if isinstance(self.budget, int) and self.budget < self.min_keep:
+            raise ValueError(f"budget: {self.budget} tokens < {self.min_keep}, the least policy "
+                             f"{self.name!r} keeps with n_sink = {self.n_sink}, window = "
+                             f"{self.window}")
+
+    @property
+    def min_keep(self) -> int:
+        """The fewest tokens the policy works with: the sinks and the window."""
+        return self.n_sink + self.window
+
+    def kept_tokens(self, n: int, budget: Union[int, float, None] = None) -> int:
+        """Tokens a prompt of ``n`` keeps per layer and head (``budget``: this policy's, unless
+        given): ``max(resolve_budget(budget, n), min_keep)``. Above ``n`` nothing is evicted
+        (a fixed-capacity policy's cache then has that many slots, filled while decoding)."""
+        b = self.budget if budget is None else budget
+        return max(resolve_budget(b, n), self.min_keep)
+
+    def observed_queries(self, q_len: int) -> int:
+        """How many of a forward's last ``q_len`` queries the policy needs (0: none)."""
+        return 0
+
+    @property
+    def ranks(self) -> bool:
+        """Whether the policy has scores to rank (budget scopes "global" / "head")."""
+        return True
+
+    def score(self, queries: torch.Tensor, keys: torch.Tensor, *, scale: Optional[float] = None,
+              seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 ``[B, Hkv, n]`` scores of ``keys`` [B, Hkv, n, D] from the post-RoPE
+        ``queries`` [B, Hq, q, D] the policy observed."""
+        raise NotImplementedError(f"policy {self.name!r} does not score keys")
+
+    def to_config(self) -> dict:
+        return {"policy": self.name, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Full(Policy):
+    """Nothing is evicted (the baseline)."""
+
+    name: ClassVar[str] = "full"
+
+    def kept_tokens(self, n: int, budget: Union[int, float, None] = None) -> int:
+        return n
+
+    @property
+    def ranks(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Streaming(Policy):
+    """StreamingLLM: the sinks and the most recent tokens; in kp.hf a ring of ``budget``
+    slots while decoding (each new token overwrites the oldest non-sink one)."""
+
+    name: ClassVar[str] = "streaming"
+    fixed_capacity: ClassVar[bool] = True
+
+    @property
+    def min_keep(self) -> int:
+        return self.n_sink + self.window + (1 if self.window == 0 else 0)  # a ring slot
+
+    @property
+    def ranks(self) -> bool:
+        return False
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
+        """Recency: the position, so the top scores are the most recent tokens."""
+        b, hkv, n = keys.shape[:3]
+        return torch.arange(n, dtype=torch.float32, device=keys.device).expand(b, hkv, n).clone()
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """SnapKV: the last ``window`` queries vote (attention probabilities, the query heads of
+    a KV group combined by ``gqa``), 1-D pooled over ``kernel_size`` positions."""
+
+    name: ClassVar[str] = "snapkv"
+    kernel_size: int = 7
+    pool: str = "max"
+    gqa: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError("window: snapkv votes with the last window queries; needs >= 1")
+        _check_int("kernel_size", self.kernel_size, 1)
+        _check_choice("pool", self.pool, ("max", "avg"))
+        _check_choice("gqa", self.gqa, GQA)
+
+    def observed_queries(self, q_len: int) -> int:
+        return min(q_len, self.window)
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
+        s = kp.window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
+        return kp.pool_scores(s, self.kernel_size, self.pool, window=self.window,
+                              seq_lens=seq_lens)
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Heavy hitters: every query's attention probabilities accumulate into each key's score
+    (summed over forwards by the integration); in kp.hf a fixed cache of ``budget`` slots
+    while decoding, each new token replacing the lowest-scored one outside sinks and window."""
+
+    name: ClassVar[str] = "h2o"
+    fixed_capacity: ClassVar[bool] = True
+    gqa: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("gqa", self.gqa, GQA)
+
+    @property
+    def min_keep(self) -> int:
+        return self.n_sink + self.window + 1  # a free slot for the next token
+
+    def observed_queries(self, q_len: int) -> int:
+        return q_len
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
+        return kp.window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
+
+
+@dataclass(frozen=True)
+class KVzip(Policy):
+    """KVzip (query-agnostic): a key's score is the largest attention probability it gets
+    from any query of the model reconstructing the context (``chunk_size`` context tokens per
+    forward), the query heads of a KV group combined by ``gqa``; ``softmax``: the keys a
+    probability is normalised over ("chunk": the sinks, the chunk and the reconstruction
+    tokens, KVzip's own; "all": every key the query sees). Protects only the sinks by
+    default (``window=0``), as KVzip does. Only kp.hf.compress_context runs it."""
+
+    name: ClassVar[str] = "kvzip"
+    default_scope: ClassVar[str] = "head"  # 20/20 passkey at 10 % (bench/RESULTS.md)
+    window: int = 0
+    gqa: str = "max"
+    softmax: str = "chunk"
+    chunk_size: int = 2048
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("gqa", self.gqa, GQA)
+        _check_choice("softmax", self.softmax, ("chunk", "all"))
+        _check_int("chunk_size", self.chunk_size, 1)
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None, lse=None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Folds the maxima of ``queries`` (one reconstruction chunk) into ``out`` (fp32
+        ``[B, Hkv, M]``, the first M of ``keys``; a new zero buffer if None)."""
+        if out is None:
+            out = torch.zeros(*keys.shape[:3], dtype=torch.float32, device=keys.device)
+        return kp.window_scores(queries, keys, lse=lse, scale=scale, gqa=self.gqa,
+                                qreduce="max", out=out)
+
+
+_CLASSES = (Full, Streaming, SnapKV, H2O, KVzip)
+POLICIES = tuple(c.name for c in _CLASSES)
+
+
+def make(policy: Union[str, Policy], **options) -> Policy:
+    """The policy named ``policy`` with ``options`` (those it does not have are ignored, so
+    one set of options serves every policy); a Policy is returned as it is, or with the
+    given options replaced. Options left as None take the policy's default."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if isinstance(policy, Policy):
+        cls, base = type(policy), asdict(policy)
+    else:
+        _check_choice("policy", policy, POLICIES)
+        cls, base = _CLASSES[POLICIES.index(policy)], {}
+    names = {f.name for f in fields(cls)}
+    return cls(**{**base, **{k: v for k, v in options.items() if k in names}})
+
+
+__all__ = ["POLICIES", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
+           "make", "resolve_budget"]
