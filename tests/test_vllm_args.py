@@ -12,7 +12,7 @@ def test_engine_args_wire_the_hooks_and_the_policy():
     args = kp.vllm.engine_args("snapkv", 0.1, n_sink=2, window=16, kernel_size=5)
     assert args["scheduler_cls"] == "kvprune_cuda.vllm.scheduler.Scheduler"
     assert args["worker_cls"] == "kvprune_cuda.vllm.worker.CPUWorker"
-    assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
+    assert args["enable_prefix_caching"] is False and "enable_chunked_prefill" not in args
     cfg = args["additional_config"]["kvprune"]
     assert _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}})) \
         == kp.policy.SnapKV(0.1, 2, 16, kernel_size=5)
@@ -38,12 +38,22 @@ def test_kept_tokens_follow_kp_hf():
     assert _policy.kept_tokens(engine_policy("streaming", 0.2, window=0), 10) == 5  # sinks + one
 
 
-def test_only_a_whole_prompt_step_compresses():
+def test_the_step_of_the_last_prompt_token_compresses():
     p = engine_policy("snapkv", 0.2)
-    assert _policy.compresses(p, 0, 300, 300) == 60
-    assert _policy.compresses(p, 0, 256, 300) is None      # a chunk of the prompt
-    assert _policy.compresses(p, 256, 44, 300) is None     # its last chunk
-    assert _policy.compresses(p, 0, 305, 300) is None      # recomputing prompt + outputs (preemption)
+    assert _policy.compresses(p, 0, 300, 300) == 60        # the whole prompt in one step
+    assert _policy.compresses(p, 0, 256, 300) is None      # an earlier chunk ...
+    assert _policy.records(p, 0, 256, 300)                 # ... records its window queries
+    assert _policy.compresses(p, 256, 44, 300) == 60       # the last chunk compresses
+    assert not _policy.records(p, 256, 44, 300)
+    assert _policy.compresses(p, 300, 1, 300) is None      # decoding
+    assert not _policy.records(p, 300, 1, 300)
+    # a preempted request recomputes prompt + outputs: it stays dense, records nothing
+    assert _policy.compresses(p, 0, 305, 300, num_output=5) is None
+    assert _policy.compresses(p, 256, 44, 300, num_output=5) is None
+    assert not _policy.records(p, 0, 256, 300, num_output=5)
+    # nothing to evict, or nothing to observe: nothing recorded
+    assert not _policy.records(p, 0, 20, 36) and _policy.compresses(p, 20, 16, 36) is None
+    assert not _policy.records(engine_policy("streaming", 0.2), 0, 256, 300)
 
 
 def test_missing_config_is_explained():

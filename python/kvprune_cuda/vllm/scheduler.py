@@ -2,8 +2,8 @@
 
 :class:`Scheduler` is vLLM's scheduler with two additions:
 
-* after a step that computed a request's whole prompt (:func:`~kvprune_cuda.vllm._policy.compresses`, the
-  workers' rule), the blocks past its kept tokens leave the request and go back to the
+* after the step that computed the last token of a request's prompt
+  (:func:`~kvprune_cuda.vllm._policy.compresses`, the workers' rule), the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the worker has compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
   ``KVCacheManager.allocate_slots`` sees the request with that count while it runs.
@@ -50,13 +50,16 @@ class Scheduler(_VllmScheduler):
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
-        for new in output.scheduled_new_reqs:
-            request = self.requests[new.req_id]
-            kept = _policy.compresses(
-                self.kvprune_policy, new.num_computed_tokens, output.num_scheduled_tokens[new.req_id],
-                request.num_prompt_tokens)
+        cached = output.scheduled_cached_reqs
+        steps = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_computed in steps:  # num_computed: before this step, as the workers see it
+            request = self.requests[req_id]
+            kept = _policy.compresses(self.kvprune_policy, num_computed,
+                                      output.num_scheduled_tokens[req_id],
+                                      request.num_prompt_tokens, request.num_output_tokens)
             if kept is not None:
-                self._compressing[new.req_id] = kept
+                self._compressing[req_id] = kept
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):

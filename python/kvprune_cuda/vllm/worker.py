@@ -2,16 +2,22 @@
 
 :class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
 
-1. ``_prepare_inputs`` (wrapped): notes the rows whose step computes their whole prompt
-   (:func:`~kvprune_cuda.vllm._policy.compresses`, the scheduler's rule), and, for requests compressed in an
-   earlier step, makes attention see the compacted cache: their ``seq_lens`` shrink by
-   the evicted count ``e`` and the slot of a token at position p is computed for
-   position ``p - e``. Positions themselves (RoPE) stay the original ones.
-2. a forward hook on every decoder ``Attention`` layer: after the layer's prefill
-   attention (which read the full prompt), kvprune picks each noted row's kept tokens from
-   that layer's post-RoPE queries and keys (``kp.window_scores`` / ``kp.pool_scores`` /
-   ``kp.select_keep``; or sinks + recent) and compacts them to the row's first slots in
-   vLLM's cache (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`).
+1. ``_prepare_inputs`` (wrapped): notes the rows whose step computes the last token of
+   their prompt (:func:`~kvprune_cuda.vllm._policy.compresses`, the scheduler's rule) and
+   the rows of earlier prefill chunks whose queries are recorded
+   (:func:`~kvprune_cuda.vllm._policy.records`), and, for requests compressed in an earlier
+   step, makes attention see the compacted cache: their ``seq_lens`` shrink by the evicted
+   count ``e`` and the slot of a token at position p is computed for position ``p - e``.
+   Positions themselves (RoPE) stay the original ones.
+2. a forward hook on every decoder ``Attention`` layer: an earlier chunk's row keeps that
+   layer's last ``window`` post-RoPE queries (at most ``window x Hq x D`` per layer and
+   request, dropped when the request is compressed, finished or preempted); after the
+   attention of a compressing row (which wrote the last chunk's keys), kvprune reads the
+   whole prompt's keys through the row's blocks
+   (:func:`~kvprune_cuda.vllm.cpu_cache.request_keys`), scores them with the observation
+   window's queries (this chunk's and the recorded ones: the policy's ``score``), selects
+   (``kp.select_keep``) and compacts the kept tokens to the row's first slots in vLLM's
+   cache (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`).
 3. ``execute_model`` (wrapped): after the step, drops the freed blocks from the
    compressed rows' block tables; the scheduler returns the same blocks to its pool.
 """
@@ -30,7 +36,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._select import kept_indices
-from kvprune_cuda.vllm.cpu_cache import compact_request
+from kvprune_cuda.vllm.cpu_cache import compact_request, request_keys
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
 
@@ -51,6 +57,8 @@ class RunnerHooks:
         self.block_size = runner.cache_config.block_size
         self.evicted: dict[str, int] = {}  # req_id -> tokens evicted from its cache
         self.plan: list[_Row] = []         # rows compressed by the step now running
+        self.recording: list[_Row] = []     # rows of earlier prefill chunks (kept: unused)
+        self.window_queries: dict[str, list] = {}   # req_id -> per layer [<=W, Hq, D]
         self.compactions = 0               # (layer, request) compactions done
         self._select_strided_isa()
         prepare, execute = runner._prepare_inputs, runner.execute_model
@@ -58,6 +66,7 @@ class RunnerHooks:
         runner.execute_model = lambda out, *a, **kw: self._execute(execute, out, *a, **kw)
         self.layers = [m for m in runner.get_model().modules()
                        if isinstance(m, Attention) and m.attn_type == "decoder"]
+        self.layer_index = {id(m): i for i, m in enumerate(self.layers)}
         for m in self.layers:
             m.register_forward_hook(self._after_attention)
 
@@ -79,17 +88,23 @@ class RunnerHooks:
     def _prepare(self, prepare, scheduler_output, *args, **kwargs):
         for req_id in scheduler_output.finished_req_ids:
             self.evicted.pop(req_id, None)
+            self.window_queries.pop(req_id, None)
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             self.evicted.pop(req_id, None)  # recomputed from scratch after a preemption
+            self.window_queries.pop(req_id, None)
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
-        self.plan = []
+        self.plan, self.recording = [], []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
-            kept = _policy.compresses(self.policy, int(batch.num_computed_tokens_cpu[row]),
-                                          scheduler_output.num_scheduled_tokens[req_id],
-                                          int(batch.num_prompt_tokens[row]))
+            state = self.runner.requests[req_id]
+            step = (int(batch.num_computed_tokens_cpu[row]),
+                    scheduler_output.num_scheduled_tokens[req_id],
+                    int(batch.num_prompt_tokens[row]), len(state.output_token_ids))
+            kept = _policy.compresses(self.policy, *step)
             if kept is not None:
-                self.plan.append(_Row(req_id, row, int(batch.num_prompt_tokens[row]), kept))
+                self.plan.append(_Row(req_id, row, step[2], kept))
+            elif _policy.records(self.policy, *step):
+                self.recording.append(_Row(req_id, row, step[2], 0))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -106,7 +121,7 @@ class RunnerHooks:
         r.input_batch.block_table.compute_slot_mapping(num_reqs, qsl, positions)
 
     def _after_attention(self, module, args, output):
-        if not self.plan:
+        if not self.plan and not self.recording:
             return output
         meta = get_forward_context().attn_metadata
         meta = meta.get(module.layer_name) if isinstance(meta, dict) else None
@@ -116,23 +131,37 @@ class RunnerHooks:
             raise RuntimeError(f"kvprune_cuda.vllm: layer {module.layer_name} caches with ISA "
                                f"{module.isa!r}, which compaction cannot address")
         query = args[0].view(-1, module.num_heads, module.head_size)
-        key = args[1].view(-1, module.num_kv_heads, module.head_size)
         qsl = meta.query_start_loc.tolist()
+        layer = self.layer_index[id(module)]
+        for row in self.recording:
+            self._window(row, layer, query[qsl[row.row]:qsl[row.row + 1]])
         for row in self.plan:
-            start, end = qsl[row.row], qsl[row.row + 1]
-            idx = kept_indices(self.policy, query[start:end], key[start:end], row.kept,
-                               module.impl.scale)
+            queries = self._window(row, layer, query[qsl[row.row]:qsl[row.row + 1]])
             n_blocks = -(-row.prompt_len // self.block_size)
-            blocks = meta.block_table[row.row : row.row + 1, :n_blocks].to(torch.int32)
-            compact_request(module.kv_cache, blocks.contiguous(), row.prompt_len, idx)
+            blocks = meta.block_table[row.row, :n_blocks].to(torch.int32).contiguous()
+            keys = request_keys(module.kv_cache, blocks, row.prompt_len)  # [N, Hkv, D]
+            idx = kept_indices(self.policy, queries, keys, row.kept, module.impl.scale)
+            compact_request(module.kv_cache, blocks[None], row.prompt_len, idx)
             self.compactions += 1
         return output
+
+    def _window(self, row: _Row, layer: int, chunk: torch.Tensor) -> torch.Tensor:
+        """The request's last observed queries of ``layer`` once ``chunk`` [T, Hq, D] (this
+        step's) joins the recorded ones: [<= W, Hq, D], kept (a copy) for a later chunk."""
+        w = self.policy.observed_queries(row.prompt_len)
+        per_layer = self.window_queries.setdefault(row.req_id, [None] * len(self.layers))
+        past = per_layer[layer]
+        q = chunk if past is None else torch.cat([past, chunk])
+        per_layer[layer] = q[max(q.shape[0] - w, 0):].clone()
+        return per_layer[layer]
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
         try:
             return execute(scheduler_output, *args, **kwargs)
         finally:
-            plan, self.plan = self.plan, []
+            plan, self.plan, self.recording = self.plan, [], []
+            for row in plan:
+                self.window_queries.pop(row.req_id, None)
             self._truncate(plan)
 
     def _truncate(self, plan: list[_Row]) -> None:
@@ -161,6 +190,8 @@ class CPUWorker(_VllmCPUWorker):
         self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config))
 
     def kvprune_stats(self) -> dict:
-        """Compactions done and requests held compressed (``llm.collective_rpc``)."""
+        """Compactions done, requests held compressed and requests whose observation-window
+        queries are recorded while they prefill (``llm.collective_rpc``)."""
         return {"compactions": self.kvprune.compactions,
-                "evicted": dict(self.kvprune.evicted)}
+                "evicted": dict(self.kvprune.evicted),
+                "recorded_windows": len(self.kvprune.window_queries)}
