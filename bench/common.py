@@ -9,8 +9,8 @@
   ``cuda_peak_extra_bytes`` (caching allocator statistics);
 * the real-model evaluations (eval_passkey.py, eval_ppl.py, eval_context.py, bench_vllm.py):
   ``load_model``, ``load_novels``, ``threads``, the pass-key prompts (``build_prompt``,
-  ``build_haystack``) and the HF cache plumbing (``Recorder``, ``cache_from``, ``layers_of``,
-  ``apply_press``, ``decode``, ``add_trial_args``).
+  ``build_haystack``) and the HF cache plumbing (``attention_modules``, ``Recorder``,
+  ``cache_from``, ``layers_of``, ``apply_press``, ``stop_at_key``, ``add_trial_args``).
 
 Model and text come from the project's fetch scripts (``scripts/fetch_model.py``,
 ``scripts/fetch_text.py``), cached under ``.cache/`` -- nothing is downloaded by hand.
@@ -398,20 +398,30 @@ def build_haystack(tok, novels, n_tokens, needles, question, rng, answer_prefix=
 # ---------------------------------------------------------------------------------------------
 
 
+def attention_modules(model) -> dict:
+    """{layer_idx: attention module} of ``model``: the modules kp.hf's hooks attach to."""
+    import kvprune_cuda as kp
+
+    return {m.layer_idx: m for m in kp.hf.KVCompressor(model, "full").attn}
+
+
 class Recorder:
-    """Keeps, per layer, the last ``n`` layer inputs and RoPE cos/sin (what kvpress.compress reads)."""
+    """Keeps, per layer, the last ``n`` layer inputs and RoPE cos/sin (what kvpress.compress
+    reads), over the forwards run while it is attached (until :meth:`remove`); with
+    ``first_only`` each layer keeps only its first forward's (a context's prefill, not the
+    kvzip reconstruction forwards kp.hf.score_context runs after it)."""
 
-    def __init__(self, model, n):
-        from kvprune_cuda import hf
-
-        self.n, self.data, self.handles = n, {}, []
-        for m in hf.KVCompressor(model, "full").attn:
+    def __init__(self, model, n, first_only: bool = False):
+        self.n, self.first_only, self.data, self.handles = n, first_only, {}, []
+        for m in attention_modules(model).values():
             self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
 
     def _hook(self, mod, args, kwargs, out):
+        old = self.data.get(mod.layer_idx)
+        if old is not None and self.first_only:
+            return
         hs = kwargs["hidden_states"][:, -self.n:]
         cos, sin = (t[:, -self.n:] for t in kwargs["position_embeddings"])
-        old = self.data.get(mod.layer_idx)
         if old is not None:
             hs, cos, sin = (torch.cat([a, b], 1)[:, -self.n:] for a, b in zip(old, (hs, cos, sin)))
         self.data[mod.layer_idx] = (hs, cos, sin)
@@ -419,6 +429,7 @@ class Recorder:
     def remove(self):
         for h in self.handles:
             h.remove()
+        self.handles.clear()
 
 
 def cache_from(layers_kv):
@@ -431,37 +442,40 @@ def cache_from(layers_kv):
 
 
 def layers_of(cache, n_layers):
-    from kvprune_cuda import hf
+    import kvprune_cuda as kp
 
-    return [hf.cache_kv(cache, i) for i in range(n_layers)]
+    return [kp.hf.cache_kv(cache, i) for i in range(n_layers)]
 
 
-def apply_press(press, kvc, cache, recorded, attn) -> None:
-    """A kvpress press's ``compress`` on every layer of ``cache`` with the recorded layer inputs;
-    the hooks are told every kept slot is valid and not to evict while decoding (kvpress
-    compresses the prefill only)."""
-    from kvprune_cuda import hf
-
-    for i in range(len(attn)):
+def apply_press(press, cache, recorded, attn):
+    """A new DynamicCache: a kvpress press's ``compress`` of every layer of ``cache`` (a
+    DynamicCache holding a context uncompressed; left as it is) with the recorded layer inputs
+    (:class:`Recorder`). Wrap it with ``kp.hf.CompressedContext.from_cache(model, context_ids,
+    cache)`` to ask it questions."""
+    out = []
+    for i, (k, v) in enumerate(layers_of(cache, len(attn))):
         hs, cos, sin = recorded[i]
-        k, v = hf.cache_kv(cache, i)
         k2, v2 = press.compress(attn[i], hs, k, v, None, {"position_embeddings": (cos, sin)})
-        hf.set_cache_kv(cache, i, k2.contiguous(), v2.contiguous())
-        kvc.layers[i].valid = torch.ones(k2.shape[:3], dtype=torch.bool)
-        kvc.layers[i].h2o = None
-    kvc.policy = "snapkv"
+        out.append((k2.contiguous(), v2.contiguous()))
+    return cache_from(out)
 
 
-@torch.no_grad()
-def decode(model, cache, first_token, steps, tok=None, key=None):
-    """Greedy decode; stops early once ``key`` appears in the text."""
-    out = [first_token]
-    for _ in range(steps - 1):
-        if key is not None and key in tok.decode(out):
-            break
-        lg = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
-        out.append(int(lg[0, -1].argmax()))
-    return out
+def stop_at_key(tok, key, lead: int = 0):
+    """A ``stopping_criteria`` for ``generate``: stops once ``key`` is in the text of the new
+    tokens (and of the ``lead`` tokens before them): greedy answers stop once they hold the
+    pass key."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class KeySeen(StoppingCriteria):
+        start = None
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if self.start is None:  # first call: one new token so far
+                self.start = input_ids.shape[1] - 1 - lead
+            done = [key in tok.decode(row[self.start:]) for row in input_ids]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([KeySeen()])
 
 
 def add_trial_args(ap: argparse.ArgumentParser) -> None:

@@ -11,10 +11,14 @@ setting where SnapKV's voting window holds no question. Three parts:
    ranked together, a ragged per-head cache), and kvpress 0.5.5's ``SnapKVPress`` (its ``compress`` on
    the recorded layer inputs) and ``KVzipPress`` (its own context manager: prefill, its
    reconstruction, its ``compress_post``; default = global over layers and heads,
-   ``-layer`` = ``layerwise=True``). Cost control: the context is prefilled and kvzip-scored
-   once per trial (``KVCompressor`` + ``score_reconstruction``, exactly what
-   ``compress_context`` runs) and kvpress's KVzip scores once per trial; each budget then only
-   selects, asks and decodes. Scores do not depend on the budget. kvzip's softmax is KVzip's
+   ``-layer`` = ``layerwise=True``). Cost control: the context is prefilled and scored once
+   per trial for every policy (``kp.hf.score_context``: snapkv's window queries, h2o's sums,
+   kvzip's reconstruction, exactly what ``compress_context`` runs), and kvpress's KVzip scores
+   once per trial; each budget then only selects (``ScoredContext.compress``), asks and decodes
+   (``CompressedContext.generate``, greedy, stopping once the key is out). kvpress's
+   SnapKVPress compresses the same uncompressed context (``compress(policy="full")``) with the
+   layer inputs recorded during that prefill, asked through
+   ``CompressedContext.from_cache``. Scores do not depend on the budget. kvzip's softmax is KVzip's
    (``softmax="chunk"``, compress_context's default); ``--kvzip-softmax all`` runs the other
    (config names ``kvzip-all...``; ``--table`` gives that name to the kvzip rows of files
    written before the option, which all used it).
@@ -47,13 +51,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
-from kvprune_cuda import hf, hf_context  # noqa: E402
 
 OURS = [("streaming", "layer"), ("snapkv", "layer"), ("h2o", "layer"), ("kvzip", "layer"),
         ("kvzip", "global"), ("kvzip", "head")]
 COLORS = ("red", "green", "blue")
 MULTI_METHODS = [("full", "layer"), ("kvzip", "layer"), ("kvzip", "global"), ("kvzip", "head"),
                  ("snapkv", "layer"), ("h2o", "layer")]
+
+
+SOFTMAX = ("chunk", "all")  # kp.policy.KVzip's softmax choices
+
+
+def our_policies(args) -> dict:
+    """{name: kp.policy object} of the policies kp.hf runs here: --n-sink, --kernel-size,
+    --chunk-size, --kvzip-softmax; window --window, kvzip's --kvzip-window."""
+    return {name: kp.policy.make(name, n_sink=args.n_sink, kernel_size=args.kernel_size,
+                                 chunk_size=args.chunk_size, softmax=args.kvzip_softmax,
+                                 window=args.kvzip_window if name == "kvzip" else args.window)
+            for name in ("streaming", "snapkv", "h2o", "kvzip")}
 
 
 def selected(methods, args):
@@ -131,90 +146,70 @@ def clear_masks(model):
         layer.self_attn.masked_key_indices = None
 
 
-def ask(model, tok, cache, qst, key, steps):
-    with torch.no_grad():
-        t0 = int(model(input_ids=qst, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
-        toks = common.decode(model, cache, t0, steps, tok, key)
+def ask(tok, ctx_c, qst, key, steps):
+    """Greedy answer of the compressed context ``ctx_c`` (a kp.hf.CompressedContext) to
+    ``qst``: at most ``steps`` tokens, stopping once ``key`` is in the text."""
+    g = ctx_c.generate(qst, max_new_tokens=steps, do_sample=False, pad_token_id=tok.pad_token_id,
+                       stopping_criteria=common.stop_at_key(tok, key))
+    toks = g[0, qst.shape[1]:].tolist()
     text = tok.decode(toks)
     return {"text": text, "hit": key in text, "toks": toks}
 
 
-def run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz):
+def run_trial(model, tok, ctx, qst, key, args, kvz):
     """{config: {text, hit, toks, kv_bytes, tokens_per_layer}} of ``args.part``, and kvpress
     KVzip's timing (part "kvpress-kvzip")."""
-    n_layers, n = len(kvc.attn), ctx.shape[1]
+    n_layers, n = model.config.num_hidden_layers, ctx.shape[1]
     ours = args.part in ("all", "ours")
-    cache = common.cache_from([])
-    kvc.attach()
-    rec.__init__(model, args.window + 1)
-    with torch.no_grad():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True)
-        rec_ctx = dict(rec.data)
-        rec.remove()
-        if ours and any(p == "kvzip" for p, _ in selected(OURS, args)):
-            prompt = hf_context.RepeatPrompt.from_tokenizer(tok, ctx)
-            kvc.score_reconstruction(lambda: hf_context._reconstruct(
-                kvc, cache, prompt, ctx, args.chunk_size), gqa="max", softmax=args.kvzip_softmax)
-    snap, kv = kvc.snapshot(), common.layers_of(cache, n_layers)
-    del cache
+    methods = selected(OURS, args) if ours else []
+    pols = our_policies(args)
+    scored_names = [p for p in ("kvzip", "snapkv", "h2o") if any(m[0] == p for m in methods)]
+    press_snapkv = ours and kvz is not None and "kvpress-snapkv" in args.policies
+    attn = common.attention_modules(model)
+    # one prefill (and kvzip reconstruction) for every policy; "full" only prefills
+    rec = common.Recorder(model, args.window + 1, first_only=True) if press_snapkv else None
+    try:
+        scored = kp.hf.score_context(model, ctx, [pols[p] for p in scored_names] or "full",
+                                     tokenizer=tok)
+    finally:
+        if rec is not None:
+            rec.remove()
     res, extra = {}, {}
-    attn = {m.layer_idx: m for m in kvc.attn}
 
-    def held(c):  # tokens per layer (per KV head and row, averaged) and bytes
-        return ([hf_context._mean(hf_context._held(c.layers[i]).tolist()) for i in range(n_layers)],
-                hf.kv_bytes(c))
+    def record(name, ctx_c, r=None):
+        res[name] = {**(r or ask(tok, ctx_c, qst, key, args.gen_steps)),
+                     "kv_bytes": ctx_c.nbytes, "tokens_per_layer": ctx_c.tokens_per_layer}
 
-    def as_full_cache():  # the uncompressed context, hooks told every slot is valid
-        kvc.restore(snap)
-        for i in range(n_layers):
-            kvc.layers[i].valid = torch.ones(kv[i][0].shape[:3], dtype=torch.bool)
-            kvc.layers[i].h2o = None
-        kvc.policy = "snapkv"  # no decode-time eviction
-        return common.cache_from(kv)
-
-    def record(name, c, r=None):
-        tl, nb = held(c)
-        res[name] = {**(r or ask(model, tok, c, qst, key, args.gen_steps)), "kv_bytes": nb,
-                     "tokens_per_layer": tl}
-
-    record("full", as_full_cache())
+    record("full", scored.compress(policy="full"))
     for frac in args.budgets if ours else ():
-        kb = hf.resolve_budget(frac, n)
-        for pol, scope in selected(OURS, args):
-            kvc.restore(snap)
-            c = common.cache_from(kv)
-            kvc.window = args.kvzip_window if pol == "kvzip" else args.window
-            hf_context._compress(kvc, c, pol, kb, scope, n)
-            kvc.window = args.window
-            record(name_of(pol, scope, frac, args.kvzip_softmax), c)
-        if kvz is not None and "kvpress-snapkv" in args.policies:
-            c = as_full_cache()
-            common.apply_press(kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
-                                                   window_size=args.window,
-                                                   kernel_size=args.kernel_size),
-                           kvc, c, rec_ctx, attn)
-            record(f"kvpress-snapkv@{int(round(frac * 100))}%", c)
-    kvc.detach()
+        for pol, scope in methods:
+            record(name_of(pol, scope, frac, args.kvzip_softmax),
+                   scored.compress(frac, scope, policy=pols[pol]))
+        if press_snapkv:
+            kb = kp.hf.resolve_budget(frac, n)
+            press = kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
+                                            window_size=args.window, kernel_size=args.kernel_size)
+            cache = common.apply_press(press, scored.compress(policy="full").cache(), rec.data, attn)
+            record(f"kvpress-snapkv@{int(round(frac * 100))}%",
+                   kp.hf.CompressedContext.from_cache(model, ctx, cache))
     if kvz is not None and args.part in ("all", "kvpress-kvzip"):
-        ratio20 = ratio_for(hf.resolve_budget(0.2, n), n)
+        ratio20 = ratio_for(kp.hf.resolve_budget(0.2, n), n)
         scores, secs, peak = kvz.run(model, ctx, ratio20, args.n_sink, args.chunk_size)
         extra["kvpress_kvzip_seconds"], extra["kvpress_kvzip_peak_extra_bytes"] = secs, peak
         clear_masks(model)
-        kvc.attach()
-        hkv = kv[0][0].shape[1]
+        hkv = model.config.num_key_value_heads
+        full = scored.compress(policy="full")  # kvpress masks keys, it frees none
         for frac in args.budgets:
-            kb = hf.resolve_budget(frac, n)
+            kb = kp.hf.resolve_budget(frac, n)
             for layerwise in (False, True):
-                c = as_full_cache()
                 kvz.apply(model, scores, ratio_for(kb, n), layerwise, args.n_sink)
                 masked = [int(attn[i].masked_key_indices[0].numel()) for i in range(n_layers)]
                 name = "kvpress-kvzip" + ("-layer" if layerwise else "")
-                r = ask(model, tok, c, qst, key, args.gen_steps)
+                r = ask(tok, full, qst, key, args.gen_steps)
                 res[f"{name}@{int(round(frac * 100))}%"] = {
                     **r, "kv_bytes": None,  # masked, not freed (kvpress's fake compression)
                     "tokens_per_layer": [n - p / hkv for p in masked]}
                 clear_masks(model)
-        kvc.detach()
     return res, extra
 
 
@@ -375,7 +370,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_trial_args(ap)
     ap.add_argument("--chunk-size", type=int, default=2048)
-    ap.add_argument("--kvzip-softmax", choices=hf.SOFTMAX, default="chunk",
+    ap.add_argument("--kvzip-softmax", choices=SOFTMAX, default="chunk",
                     help="keys kvzip's reconstruction softmax covers (compress_context's softmax=)")
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
@@ -411,11 +406,6 @@ def main() -> None:
         import kvpress
         logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)  # a warning per press
         kvz = _KVzipScores(kvpress)
-    kvc = hf.KVCompressor(model, "full", 1.0, n_sink=args.n_sink, window=args.window,
-                          kernel_size=args.kernel_size, compress_on_prefill=False,
-                          track_h2o=args.part != "kvpress-kvzip")
-    rec = common.Recorder(model, args.window + 1)
-    rec.remove()
     rng = random.Random(args.seed)
     jobs = [(n, d) for n in args.tokens for d in args.depths for _ in range(args.trials_per_depth)]
     data = {"args": common.args_dict(args), **common.run_meta(), "records": [], "multi": []}
@@ -427,7 +417,7 @@ def main() -> None:
         if args.only_trials is not None and j not in args.only_trials:
             continue  # the prompt was still drawn, so later trials get the same ones
         t0 = time.perf_counter()
-        res, extra = run_trial(model, tok, kvc, rec, ctx, qst, key, args, kvz)
+        res, extra = run_trial(model, tok, ctx, qst, key, args, kvz)
         rec_j = {"trial": j, "tokens": n, "context_tokens": ctx.shape[1],
                  "question_tokens": qst.shape[1], "depth": depth, "key": key, "novel": novel,
                  "results": res, "timing": None}

@@ -16,10 +16,15 @@ every query, ``kp.window_scores`` + ``kp.select_keep``), all through ``kvprune_c
 side by side kvpress 0.5.5 ``SnapKVPress`` / ``StreamingLLMPress`` (their ``compress`` on the
 very same layer inputs, keys and values, with the same token budget).
 
-Cost control: per trial the prompt is prefilled once (context, then question) with full
-attention while the hooks record every layer's window queries, H2O scores and kvpress inputs;
-each policy then compresses a copy of that cache and decodes. (Compression happens after
-each layer's prefill anyway, so prefill activations are identical for every policy.)
+Through the public ``kp.hf`` API: per trial and setting, ``kp.hf.score_context`` prefills what
+is compressed (query-aware: context + question; query-agnostic: the context) once with full
+attention, recording every layer's snapkv window queries and h2o sums (and, beside it,
+kvpress's layer inputs); each policy then compresses it (``ScoredContext.compress``; kvpress:
+its ``compress`` on the uncompressed cache, wrapped by ``CompressedContext.from_cache``) and
+answers greedily with ``CompressedContext.generate``, stopping once the key is out: query-aware
+from the prompt's first answer token (the prefill's logits), query-agnostic from the question.
+(Compression happens after each layer's prefill anyway, so prefill activations are identical
+for every policy.)
 
     .venv/bin/python bench/eval_passkey.py --tokens 4096 --trials-per-depth 4
 """
@@ -36,57 +41,67 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import (Recorder, add_trial_args, apply_press, build_prompt,  # noqa: E402,F401
-                    cache_from, decode, layers_of)
+from common import Recorder, add_trial_args, apply_press, build_prompt, stop_at_key  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
-from kvprune_cuda import hf  # noqa: E402
 
-def run_trial(model, tok, kvc, rec, ctx, qst, key, budgets, presses, gen_steps):
-    """{setting: {config: (answer text, hit, kv bytes held after the prompt)}}."""
-    n_layers = len(kvc.attn)
-    attn = {m.layer_idx: m for m in kvc.attn}
+
+class LastLogits:
+    """Within the block, keeps the next-token logits [B, 1, V] of the last position of each
+    forward of ``model``'s base model (kp.hf.score_context runs the base model: no LM head)."""
+
+    def __init__(self, model):
+        self.model, self.logits, self._handle = model, None, None
+
+    def _hook(self, module, args, output):
+        self.logits = self.model.get_output_embeddings()(output[0][:, -1:])
+
+    def __enter__(self):
+        self._handle = self.model.base_model.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+def run_trial(model, tok, ctx, qst, key, budgets, presses, args):
+    """{setting: {config: (answer text, hit, bytes the compressed context holds, answer ids)}}."""
+    attn = common.attention_modules(model)
+    pols = {p: kp.policy.make(p, n_sink=args.n_sink, window=args.window,
+                              kernel_size=args.kernel_size) for p in ("streaming", "snapkv", "h2o")}
     res = {"aware": {}, "agnostic": {}}
-    cache = cache_from([])
-    with torch.no_grad():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True)
-        snap_ctx, kv_ctx = kvc.snapshot(), layers_of(cache, n_layers)
-        rec_ctx = dict(rec.data)
-        lg = model(input_ids=qst, past_key_values=cache, use_cache=True).logits
-        snap_all, kv_all = kvc.snapshot(), layers_of(cache, n_layers)
-        rec_all = dict(rec.data)
-    first = int(lg[0, -1].argmax())
-    n_ctx, n_all = ctx.shape[1], ctx.shape[1] + qst.shape[1]
-
-    def score(setting, name, toks, nbytes):
-        text = tok.decode(toks)
-        res[setting][name] = (text, key in text, nbytes, toks)
-
     configs = [("full", None)] + [(p, b) for p in ("streaming", "snapkv", "h2o") for b in budgets]
     configs += [(p, b) for p in presses for b in budgets]
     for setting in ("aware", "agnostic"):
-        snap, kv, recd, n = ((snap_all, kv_all, rec_all, n_all) if setting == "aware"
-                             else (snap_ctx, kv_ctx, rec_ctx, n_ctx))
+        ids = torch.cat([ctx, qst], 1) if setting == "aware" else ctx
+        n = ids.shape[1]
+        rec = Recorder(model, args.window + 1) if presses else None
+        try:
+            with torch.no_grad(), LastLogits(model) as last:
+                scored = kp.hf.score_context(model, ids, (pols["snapkv"], pols["h2o"]))
+        finally:
+            if rec is not None:
+                rec.remove()
+        # query-aware: the prefill's answer token, then decoding; query-agnostic: the question
+        follow = last.logits.argmax(-1) if setting == "aware" else qst
+        lead = 1 if setting == "aware" else 0
         for pol, frac in configs:
-            kvc.restore(snap)
-            c = cache_from(kv)
             name = pol if frac is None else f"{pol}@{int(round(frac * 100))}%"
-            kb = n if frac is None else hf.resolve_budget(frac, n)
             if pol in presses:
-                apply_press(presses[pol](compression_ratio=1.0 - (kb + 0.5) / n), kvc, c, recd, attn)
-            elif pol != "full":
-                kvc.policy = pol
-                kvc.compress_cache(c, pol, kb)
+                kb = kp.hf.resolve_budget(frac, n)
+                cache = apply_press(presses[pol](compression_ratio=1.0 - (kb + 0.5) / n),
+                                    scored.compress(policy="full").cache(), rec.data, attn)
+                c = kp.hf.CompressedContext.from_cache(model, ids, cache)
+            elif pol == "full":
+                c = scored.compress(policy="full")
             else:
-                kvc.policy = "full"
-            with torch.no_grad():
-                if setting == "aware":
-                    t0 = first
-                else:
-                    t0 = int(model(input_ids=qst, past_key_values=c, use_cache=True).logits[0, -1].argmax())
-                held = hf.kv_bytes(c)
-                toks = decode(model, c, t0, gen_steps, tok, key)
-            score(setting, name, toks, held)
+                c = scored.compress(frac, "layer", policy=pols[pol])
+            g = c.generate(follow, max_new_tokens=max(1, args.gen_steps - lead), do_sample=False,
+                           pad_token_id=tok.pad_token_id, stopping_criteria=stop_at_key(tok, key, lead))
+            toks = g[0, follow.shape[1] - lead:].tolist()
+            text = tok.decode(toks)
+            res[setting][name] = (text, key in text, c.nbytes, toks)
+        del scored
     return res
 
 
@@ -112,10 +127,6 @@ def main() -> None:
                        compression_ratio=compression_ratio, window_size=w, kernel_size=ks),
                    "kvpress-streaming": lambda compression_ratio: kvpress.StreamingLLMPress(
                        compression_ratio=compression_ratio, n_sink=args.n_sink)}
-    kvc = hf.KVCompressor(model, "full", 1.0, n_sink=args.n_sink, window=args.window,
-                          kernel_size=args.kernel_size, compress_on_prefill=False,
-                          track_h2o=True).attach()
-    rec = Recorder(model, args.window + 1)
     rng = random.Random(args.seed)
     jobs = [(n, d) for n in args.tokens for d in args.depths for _ in range(args.trials_per_depth)]
     records, checks = [], []
@@ -125,7 +136,7 @@ def main() -> None:
         key = str(rng.randrange(10000, 100000))
         ctx, qst, novel = build_prompt(tok, novels, n, depth, key, rng)
         t0 = time.perf_counter()
-        res = run_trial(model, tok, kvc, rec, ctx, qst, key, args.budgets, presses, args.gen_steps)
+        res = run_trial(model, tok, ctx, qst, key, args.budgets, presses, args)
         records.append({"tokens": n, "prompt_tokens": ctx.shape[1] + qst.shape[1], "depth": depth,
                         "key": key, "novel": novel, "seconds": time.perf_counter() - t0,
                         "results": res})
@@ -135,18 +146,16 @@ def main() -> None:
         bar.set_postfix({k: f"{sum(hits[('aware', k)])}/{len(hits[('aware', k)])}"
                          for k in ("full", "streaming@20%", "snapkv@20%")})
         if j < args.check_generate:
-            checks.append(check_generate(model, tok, kvc, rec, ctx, qst, res, args))
+            checks.append(check_generate(model, tok, ctx, qst, res, args))
             tqdm.write(f"check: {checks[-1]}")
         common.write_json(args.out, {"args": common.args_dict(args), "checks": checks,
                                      "records": records})
     print(f"wrote {args.out}")
 
 
-def check_generate(model, tok, kvc, rec, ctx, qst, res, args):
+def check_generate(model, tok, ctx, qst, res, args):
     """Plain generate vs policy "full", and kp.hf.compress(snapkv@20%) + generate vs the shared path."""
     ids = torch.cat([ctx, qst], 1)
-    kvc.detach()
-    rec.remove()
     out = {}
     with torch.no_grad():
         g = model.generate(input_ids=ids, max_new_tokens=args.gen_steps, do_sample=False,
@@ -161,8 +170,6 @@ def check_generate(model, tok, kvc, rec, ctx, qst, res, args):
         out["hf_compress_snapkv20"] = tok.decode(g[0, ids.shape[1]:])
         out["snapkv20_equals_shared_path"] = same(g[0, ids.shape[1]:].tolist(),
                                                   res["aware"]["snapkv@20%"][3])
-    kvc.attach()
-    rec.__init__(model, args.window + 1)
     return out
 
 

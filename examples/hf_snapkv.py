@@ -41,5 +41,5 @@ for policy in ("full", "snapkv"):
     with kp.hf.compress(model, policy=policy, budget=0.2, n_sink=4, window=32, kernel_size=7) as comp:
         out = model.generate(**ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(f"{policy:>8}: kept {comp.kept} of {comp.prompt_len} prompt tokens per layer, "
+    print(f"{policy:>8}: kept {comp.compressed_len} of {comp.prompt_len} prompt tokens per layer, "
           f"KV held {kp.hf.kv_bytes(cache) / 2**20:.1f} MiB -> {answer!r}")
