@@ -10,6 +10,12 @@
 #                     creating .venv in the clone (saves the torch install; the package
 #                     is still built from the fresh clone and installed into it)
 #   KEEP_CLONE=1      leave the clone (its path is printed) instead of deleting it
+#   KVPRUNE_README_IN_PLACE=1
+#                     run in SOURCE_REPO itself instead of a clone, when it is one already
+#                     (CI's checkout is a fresh clone of main): its builds are reused, and
+#                     scripts/test.sh skips the C++ tests that CI ran minutes before in the
+#                     same tree (KVPRUNE_SKIP_CPP_TESTS=1); it saves CI rebuilding the CUDA
+#                     kernels and the C++ tests twice
 #
 # Every command line of the ```bash blocks of README.md and docs/*.md must be listed below,
 # either as run here (RUN: checked with the arguments shown) or as needing a download
@@ -42,9 +48,15 @@ DOWNLOAD_PREFIXES=(
   ".venv-vllm/bin/python bench/bench_vllm.py"
 )
 
-step "fresh clone of $SRC ($(git -C "$SRC" rev-parse --short HEAD))"
-git clone -q "$SRC" "$WORK/clone"
-cd "$WORK/clone"
+if [ "${KVPRUNE_README_IN_PLACE:-0}" = 1 ]; then
+  step "in place: $SRC ($(git -C "$SRC" rev-parse --short HEAD)), a fresh clone already"
+  cd "$SRC"
+  export KVPRUNE_SKIP_CPP_TESTS=1
+else
+  step "fresh clone of $SRC ($(git -C "$SRC" rev-parse --short HEAD))"
+  git clone -q "$SRC" "$WORK/clone"
+  cd "$WORK/clone"
+fi
 DOCS=(README.md docs/*.md)  # the files whose commands and python blocks are checked
 
 step "every bash command of ${DOCS[*]} is classified"
@@ -67,7 +79,7 @@ for k in missing:
 sys.exit(1 if bad or missing else 0)
 PY
 
-if [ -n "${KVPRUNE_VENV:-}" ]; then
+if [ -n "${KVPRUNE_VENV:-}" ] && [ ! -e .venv ]; then
   ln -s "$KVPRUNE_VENV" .venv  # the README's .venv, pointing at the reused environment
 fi
 
