@@ -159,8 +159,10 @@ class ScoredContext:
     ``prefill_seconds``; ``score_seconds`` (kvzip's reconstruction)."""
 
     def __init__(self, model, context_ids: torch.Tensor, scored: Sequence["policies.Policy"],
-                 cache, state: dict, prefill_seconds: float, score_seconds: float) -> None:
+                 cache, state: dict, prefill_seconds: float, score_seconds: float,
+                 options: Optional[dict] = None) -> None:
         self.model, self.context_ids, self.policies = model, context_ids, list(scored)
+        self._options = dict(options or {})  # score_context's, for policies named later
         self._kv = [cache_kv(cache, i) for i in range(len(state["layers"]))]
         self._state = state
         self.prefill_seconds, self.score_seconds = prefill_seconds, score_seconds
@@ -179,14 +181,15 @@ class ScoredContext:
         named = [p for p in self.policies if p.name == policy]
         if named:
             return named[0]
-        return policies.make(policy, n_sink=self.policies[0].n_sink)  # full / streaming
+        return policies.make(policy, **self._options)  # full / streaming: need no evidence
 
     def compress(self, budget: Union[int, float, None] = None, budget_scope: Optional[str] = None,
                  policy: Union[str, "policies.Policy", None] = None) -> CompressedContext:
         """The context compressed to ``budget`` (default the policy's: a fraction of the
         context in (0, 1] or a token count per layer, the mean over layers / heads for the
         "global" / "head" scopes) under ``policy`` (default the first scored; another scored
-        one by name; "full" and "streaming" need no evidence), the budget shared as
+        one by name; "full" and "streaming" need no evidence: built with score_context's
+        options), the budget shared as
         ``budget_scope`` says (default the policy's measured best:
         :attr:`~kvprune_cuda.policy.Policy.default_scope`)."""
         p = self._policy(policy)
@@ -227,8 +230,9 @@ def score_context(model, context_ids: torch.Tensor,
     named = [policy] if isinstance(policy, (str, policies.Policy)) else list(policy)
     if not named:
         raise ValueError("policy: expected at least one policy")
-    scored = [policies.make(p, n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
-                            gqa=gqa, chunk_size=chunk_size, softmax=softmax) for p in named]
+    options = dict(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa,
+                   chunk_size=chunk_size, softmax=softmax)
+    scored = [policies.make(p, **options) for p in named]
     kvzip = next((p for p in scored if isinstance(p, policies.KVzip)), None)
     prompt = None
     if kvzip is not None:
@@ -248,7 +252,8 @@ def score_context(model, context_ids: torch.Tensor,
             t2 = time.perf_counter()
     finally:
         comp.detach()
-    return ScoredContext(model, context_ids, scored, cache, comp.snapshot(), t1 - t0, t2 - t1)
+    return ScoredContext(model, context_ids, scored, cache, comp.snapshot(), t1 - t0, t2 - t1,
+                         options)
 
 
 def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "policies.Policy"] = "kvzip",

@@ -86,12 +86,6 @@ class RunnerHooks:
 
     # ------------------------------------------------------------------ hooks
     def _prepare(self, prepare, scheduler_output, *args, **kwargs):
-        for req_id in scheduler_output.finished_req_ids:
-            self.evicted.pop(req_id, None)
-            self.window_queries.pop(req_id, None)
-        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-            self.evicted.pop(req_id, None)  # recomputed from scratch after a preemption
-            self.window_queries.pop(req_id, None)
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
         self.plan, self.recording = [], []
@@ -155,7 +149,18 @@ class RunnerHooks:
         per_layer[layer] = q[max(q.shape[0] - w, 0):].clone()
         return per_layer[layer]
 
+    def _forget(self, scheduler_output) -> None:
+        """Drops the state of finished (aborted included) and preempted requests; every step
+        calls it, also one that computes nothing (vLLM then skips ``_prepare_inputs``)."""
+        gone = set(scheduler_output.finished_req_ids)
+        gone |= scheduler_output.preempted_req_ids or set()
+        gone |= scheduler_output.scheduled_cached_reqs.resumed_req_ids  # recomputed from scratch
+        for req_id in gone:
+            self.evicted.pop(req_id, None)
+            self.window_queries.pop(req_id, None)
+
     def _execute(self, execute, scheduler_output, *args, **kwargs):
+        self._forget(scheduler_output)
         try:
             return execute(scheduler_output, *args, **kwargs)
         finally:
