@@ -153,6 +153,28 @@ def test_chunked_prefill_compresses_at_the_last_chunk(model_dir, hf_model, promp
     assert out == hf_snapkv(hf_model, prompts)
 
 
+def test_tensor_parallel_2_equals_tp1(model_dir, hf_model, prompts):
+    """tensor_parallel_size=2 (two CPU ranks, one KV head each): every rank compacts its own
+    heads with the same kept count (it depends only on the prompt), no communication; the
+    tokens equal TP=1's (which equal kp.hf.compress's) and the same blocks are freed."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).with_name("tp_run.py")
+    run = subprocess.run([sys.executable, str(script), model_dir, json.dumps(prompts),
+                          str(BUDGET), str(NEW_TOKENS), str(BLOCK)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("TP_RESULT "))
+    result = json.loads(line.split(" ", 1)[1])
+    assert result["tokens"] == hf_snapkv(hf_model, prompts)
+    assert result["freed"] == expected_freed("snapkv")
+    layers = hf_model.config.num_hidden_layers
+    assert [r["compactions"] for r in result["ranks"]] == [len(PROMPT_LENS) * layers] * 2
+
+
 def test_streaming_keeps_sinks_and_recent(model_dir, hf_model, prompts):
     out, scheduler, _ = run_vllm(model_dir, prompts, **kp.vllm.engine_args("streaming", BUDGET))
     assert scheduler.kvprune_freed_blocks == expected_freed("streaming")
