@@ -21,8 +21,11 @@ def check_int(name: str, value) -> None:
 
 
 def check_str(name: str, value, choices: tuple[str, ...]) -> None:
+    """One of ``choices``: a TypeError for a non-string, a ValueError for another string."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def check_scale(value) -> None:
