@@ -16,6 +16,8 @@ report. The unchanged kernels must pass the same cases first.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import os
 import pathlib
 import re
 import shutil
@@ -84,6 +86,30 @@ def run_case(binary: pathlib.Path, case: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def run_mutant(args, work: pathlib.Path, csrc: pathlib.Path, common: list, i: int,
+               mutant: tuple) -> tuple[str, bool]:
+    """(report line, caught) of mutant ``i``: its tree, its changed kernel, its driver run."""
+    name, rel, old, new, case, expected = mutant
+    tree = work / f"mutant{i}"
+    shutil.copytree(csrc, tree / "csrc")
+    target = tree / rel
+    text = target.read_text()
+    if text.count(old) != 1:
+        return f"FAIL: mutant '{name}': the text to change occurs {text.count(old)} times in {rel}", False
+    target.write_text(text.replace(old, new))
+    kernel_file = rel if rel.endswith(".cu") else {
+        "csrc/cuda/window_scores_mma.cuh": "csrc/cuda/window_scores.cu"}[rel]
+    obj = tree / "mutated.o"
+    compile_object(args, tree / kernel_file, tree / "csrc", obj, emulated=True)
+    binary = tree / "driver"
+    link(args, [obj, *common], binary)
+    code, output = run_case(binary, case)
+    caught = code != 0 and re.search(expected, output) is not None
+    first = next((line for line in output.splitlines() if re.search(expected, line)),
+                 output.strip().splitlines()[0] if output.strip() else "(no output)")
+    return f"{'caught' if caught else 'MISSED'}: {name} [{case}, exit {code}]: {first[:300]}", caught
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("--cxx", "--cuda-include", "--core-lib", "--source-dir", "--work-dir"):
@@ -113,27 +139,12 @@ def main() -> int:
     if failures:
         return 1
 
-    for i, (name, rel, old, new, case, expected) in enumerate(MUTANTS):
-        tree = work / f"mutant{i}"
-        shutil.copytree(csrc, tree / "csrc")
-        target = tree / rel
-        text = target.read_text()
-        if text.count(old) != 1:
-            print(f"FAIL: mutant '{name}': the text to change occurs {text.count(old)} times in {rel}")
-            failures += 1
-            continue
-        target.write_text(text.replace(old, new))
-        kernel_file = rel if rel.endswith(".cu") else {
-            "csrc/cuda/window_scores_mma.cuh": "csrc/cuda/window_scores.cu"}[rel]
-        obj = tree / "mutated.o"
-        compile_object(args, tree / kernel_file, tree / "csrc", obj, emulated=True)
-        binary = tree / "driver"
-        link(args, [obj, *common], binary)
-        code, output = run_case(binary, case)
-        caught = code != 0 and re.search(expected, output) is not None
-        first = next((line for line in output.splitlines() if re.search(expected, line)),
-                     output.strip().splitlines()[0] if output.strip() else "(no output)")
-        print(f"{'caught' if caught else 'MISSED'}: {name} [{case}, exit {code}]: {first[:300]}")
+    # Each mutant has its own tree, object and binary: they compile and run in parallel.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda im: run_mutant(args, work, csrc, common, *im),
+                                enumerate(MUTANTS)))
+    for line, caught in results:
+        print(line)
         failures += not caught
     print(f"{len(MUTANTS) - failures} of {len(MUTANTS)} mutants caught")
     return 1 if failures else 0
