@@ -183,7 +183,8 @@ class KVCompressor:
     def _attn_post(self, module, args, kwargs, output):
         i = module.layer_idx
         st = self.layers[i]
-        cache = cache_arg(kwargs) or self._cache
+        cache = cache_arg(kwargs)
+        cache = self._cache if cache is None else cache  # (an empty DynamicCache is falsy)
         if cache is None:
             return output
         hs = kwargs.get("hidden_states", args[0] if args else None)
