@@ -37,11 +37,8 @@ class LayerState:
     def compressed(self) -> bool:
         return self.layout != FULL
 
-    def evidence_bytes(self) -> int:
-        return tensor_bytes((self.queries, self.h2o, self.kvzip))
-
     def nbytes(self) -> int:
-        return self.evidence_bytes() + tensor_bytes((self.slot_valid,))
+        return tensor_bytes((self.queries, self.h2o, self.kvzip, self.slot_valid))
 
     def drop_evidence(self) -> None:
         self.queries = self.h2o = self.kvzip = None

@@ -62,9 +62,9 @@ def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
         kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc).
         block_ids: int [n_blocks], the request's blocks in token order (covering num_tokens).
     """
-    _, hkv, bs, two_d = kv_cache.shape
+    num_blocks, hkv, bs, two_d = kv_cache.shape
     d = two_d // 2
-    blocks = kv_cache.index_select(0, block_ids.long())          # [nb, Hkv, bs, 2D]
-    k = blocks.view(-1, hkv, bs * two_d)[:, :, : bs * d]          # K: dim-major [D, bs]
+    per_head = kv_cache.view(num_blocks, hkv, bs * two_d)
+    k = per_head[block_ids.long(), :, : bs * d]                   # K only: dim-major [D, bs]
     k = k.reshape(-1, hkv, d, bs).permute(0, 3, 1, 2)             # [nb, bs, Hkv, D]
     return k.reshape(-1, hkv, d)[:num_tokens]
