@@ -12,7 +12,8 @@ def test_engine_args_wire_the_hooks_and_the_policy():
     args = kp.vllm.engine_args("snapkv", 0.1, n_sink=2, window=16, kernel_size=5)
     assert args["scheduler_cls"] == "kvprune_cuda.vllm.scheduler.Scheduler"
     assert args["worker_cls"] == "kvprune_cuda.vllm.worker.CPUWorker"
-    assert args["enable_prefix_caching"] is False and "enable_chunked_prefill" not in args
+    # vLLM's defaults stand: chunked prefill and prefix caching on
+    assert "enable_prefix_caching" not in args and "enable_chunked_prefill" not in args
     cfg = args["additional_config"]["kvprune"]
     assert _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}})) \
         == kp.policy.SnapKV(0.1, 2, 16, kernel_size=5)
@@ -36,6 +37,20 @@ def test_kept_tokens_follow_kp_hf():
     assert _policy.kept_tokens(engine_policy("snapkv", 50), 300) == 50
     assert _policy.kept_tokens(engine_policy("full"), 300) is None
     assert _policy.kept_tokens(engine_policy("streaming", 0.2, window=0), 10) == 5  # sinks + one
+
+
+def test_a_pinned_prefix_is_kept_whole_and_the_budget_applies_to_the_rest():
+    p = engine_policy("snapkv", 0.2)
+    assert _policy.kept_tokens(p, 300, pinned=0) == _policy.kept_tokens(p, 300)
+    assert _policy.kept_tokens(p, 300, pinned=128) == 128 + 36  # 172 own tokens: 34 < 36
+    assert _policy.kept_tokens(p, 628, pinned=128) == 128 + 100
+    assert _policy.kept_tokens(p, 160, pinned=128) is None      # 32 own tokens: all kept
+    assert _policy.kept_tokens(p, 128, pinned=128) is None
+    assert _policy.compresses(p, 128, 172, 300, pinned=128) == 164
+    # kp.hf's policy that keeps what the engine keeps: the pinned tokens as sinks
+    q = _policy.with_pinned(p, 164, 128)
+    assert (q.budget, q.n_sink, q.window) == (164, 128, 32) and q.kept_tokens(300) == 164
+    assert _policy.with_pinned(p, 60, 0) == engine_policy("snapkv", 60)
 
 
 def test_the_step_of_the_last_prompt_token_compresses():

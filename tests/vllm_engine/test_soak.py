@@ -1,11 +1,14 @@
 """A bounded soak of kvprune_cuda.vllm in vLLM 0.32.0 (CPU): many requests through one small
-pool, with vLLM's defaults for chunked prefill, aborts at random points and preemption.
+pool, with vLLM's defaults (chunked prefill, prefix caching), shared system prompts, aborts
+at random points and preemption.
 
 Seeded and bounded (a fixed request count and step limit). It asserts: no exception; every
 request that finished without being preempted generated what it generates alone, one at a
-time, in the same engine; after everything ends the BlockPool holds exactly its initial free
-blocks, no block id twice, and the scheduler's and the worker's per-request state is empty.
-Counts (requests, aborts by phase, preemptions, blocks freed by compression) are printed.
+time, in the same engine (prefix cache emptied first), or, where it kept a prefix whole
+because another request shared it, what kp.hf generates under that rule; after everything
+ends the BlockPool holds exactly its initial free blocks, no block id twice, and the
+scheduler's and the worker's per-request state is empty. Counts (requests, aborts by
+phase, preemptions, blocks freed by compression, prefixes kept whole) are printed.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+import torch  # noqa: E402
+
 import kvprune_cuda as kp  # noqa: E402
-from test_engine import make_llm, model_dir  # noqa: E402,F401  (model_dir: a fixture)
+from test_engine import make_llm, hf_model, model_dir  # noqa: E402,F401  (fixtures)
 
 REQUESTS = 200
 MAX_MODEL_LEN = 1024
@@ -37,15 +42,18 @@ def _params(max_tokens):
 def _workload(rng):
     """(prompt, max_tokens, arrival step, abort: a step, a phase of PHASES or None) per id."""
     lengths = [8, 35, 36, 37, 64, 97, 200, 301, 600, 900]  # below / at / above n_sink + window
+    systems = [[rng.randrange(1, 512) for _ in range(n)] for n in (64, 128)]
     out = {}
     for i in range(REQUESTS):
         n = rng.choice(lengths) if i % 4 else rng.randint(2, 900)
+        system = systems[i % 2] if i % 3 == 1 else []  # a shared system prompt
+        n = max(n - len(system), 1)
         max_tokens = 1 if i % 17 == 0 else rng.randint(1, 48)
-        if i % 5 == 0:  # long answers of compressed prompts fill the pool while decoding
-            n, max_tokens = rng.choice([301, 450, 600]), rng.randint(100, 250)
-        max_tokens = min(max_tokens, MAX_MODEL_LEN - n)
-        prompt = [rng.randrange(1, 512) for _ in range(n)]
-        arrival = rng.randint(0, 60)
+        if i % 3 == 0:  # long answers of compressed prompts fill the pool while decoding
+            n, max_tokens = rng.choice([301, 450, 600]), rng.randint(150, 300)
+        prompt = system + [rng.randrange(1, 512) for _ in range(n)]
+        max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt))
+        arrival = rng.randint(0, 20)
         roll = rng.random()  # abort: at a random step, or once the request reaches a phase
         abort = (arrival + rng.randint(1, 60) if roll < 0.1 else
                  rng.choice(PHASES) if roll < 0.25 else None)
@@ -77,15 +85,26 @@ def _check_pool_and_state(llm, core):
         block = block.next_free_block
     assert len(free) == len(set(free)), "a block is free twice"
     assert pool.get_num_free_blocks() == len(free) == pool.num_gpu_blocks - 1  # block 0: null
-    assert not core.scheduler.requests and not core.scheduler.kvprune_evicted
-    assert not core.scheduler._compressing
+    assert not core.scheduler.requests and not core.scheduler.kvprune_held
+    assert not core.scheduler._compressing and not core.scheduler._prefix_hits
     for group in core.scheduler.kv_cache_manager.coordinator.single_type_managers:
         assert not group.req_to_blocks
     stats = llm.collective_rpc("kvprune_stats")[0]
     assert stats["evicted"] == {} and stats["recorded_windows"] == 0, stats
 
 
-def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir):
+def _hf_pinned(hf_model, prompt, max_tokens, held):
+    """kp.hf's greedy tokens with the first ``held.pinned`` prompt tokens kept whole (None:
+    nothing was left to evict, the full cache)."""
+    policy = "full" if held is None else "snapkv"
+    kept, pinned = (len(prompt), 0) if held is None else (held.kept, held.pinned)
+    with kp.hf.compress(hf_model, policy, budget=kept, n_sink=max(4, pinned), window=32):
+        gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False)
+    return gen[0, len(prompt):].tolist()
+
+
+def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     rng = random.Random(0)
     work = _workload(rng)
     llm = make_llm(model_dir, max_num_batched_tokens=CHUNK, max_num_seqs=16,
@@ -100,7 +119,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir):
     def counting_preempt(request, *args, **kwargs):
         r = engine.output_processor.request_states[request.request_id].external_req_id
         preempted.add(r)
-        if request.request_id in core.scheduler.kvprune_evicted:
+        if request.request_id in core.scheduler.kvprune_held:
             preempted_compressed.add(r)
         return preempt(request, *args, **kwargs)
 
@@ -108,10 +127,10 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir):
     # fault: a prompt of exactly max_model_len leaves no room to generate: vLLM refuses it
     with pytest.raises(Exception, match="maximum model length"):
         engine.add_request("too-long", {"prompt_token_ids": [1] * MAX_MODEL_LEN}, _params(1))
-    outputs, aborted, step = {}, {}, 0
+    outputs, aborted, held, step = {}, {}, {}, 0
     freed_before = core.scheduler.kvprune_freed_blocks
     pending = sorted(work, key=lambda r: work[r][2])
-    while (pending or engine.has_unfinished_requests()) and step < 5000:
+    while (pending or engine.has_unfinished_requests()) and step < 12000:
         while pending and work[pending[0]][2] <= step:
             r = pending.pop(0)
             engine.add_request(r, {"prompt_token_ids": work[r][0]}, _params(work[r][1]))
@@ -125,27 +144,40 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir):
         for out in engine.step():
             if out.finished and out.request_id not in aborted:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
+        for internal, h in core.scheduler.kvprune_held.items():
+            held[engine.output_processor.request_states[internal].external_req_id] = h
         step += 1
     assert not pending and not engine.has_unfinished_requests(), f"stuck after {step} steps"
     engine.step()  # one empty step delivers the last finished ids to the worker
     _check_pool_and_state(llm, core)
     freed = core.scheduler.kvprune_freed_blocks - freed_before
     phases = {p: sum(1 for x in aborted.values() if x == p) for p in set(aborted.values())}
+    policy = kp.vllm.engine_policy("snapkv", 0.2)
+    # finished requests that kept a shared prefix whole (compressed, or left dense because the
+    # rest was within the budget): alone, with nothing to share, they would keep other tokens
+    pinned = {r for r in outputs if r not in preempted and (
+        held[r].pinned if r in held else kp.vllm.kept_tokens(policy, len(work[r][0])))}
     print(f"\nsoak: {REQUESTS} requests in {step} steps, {len(outputs)} finished, "
           f"{len(aborted)} aborted {phases}, {len(preempted)} preempted "
           f"({len(preempted_compressed)} holding a compressed cache), {freed} blocks freed "
-          f"by compression, 0 leaked")
-    assert len(preempted_compressed) > 0 and freed > 0
+          f"by compression, {len(pinned)} finished keeping a shared prefix whole, 0 leaked")
+    assert len(preempted_compressed) > 0 and freed > 0 and len(pinned) > 0
     assert all(phases.get(p) for p in ("waiting", *PHASES)), phases
     assert len(outputs) + len(aborted) == REQUESTS
     assert all(len(outputs[r]) == work[r][1] for r in outputs)
 
     # every finished request that was never preempted generates what it generates alone
-    # (a preempted one is recomputed dense: its continuation is the dense cache's)
+    # (a preempted one is recomputed dense: its continuation is the dense cache's); one that
+    # kept a shared prefix whole, what kp.hf generates under that rule
     mismatched = []
     for r, got in outputs.items():
         if r in preempted:
             continue
+        if r in pinned:
+            if got != _hf_pinned(hf_model, work[r][0], work[r][1], held.get(r)):
+                mismatched.append(r)
+            continue
+        assert engine.reset_prefix_cache()  # alone: nothing read from the cache either
         engine.add_request(f"alone-{r}", {"prompt_token_ids": work[r][0]}, _params(work[r][1]))
         alone = None
         while engine.has_unfinished_requests():

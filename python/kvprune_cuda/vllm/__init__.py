@@ -20,8 +20,11 @@ generated tokens. The hooks are vLLM extension points only: ``scheduler_cls``
 (:class:`~kvprune_cuda.vllm.scheduler.Scheduler`), ``worker_cls``
 (:class:`~kvprune_cuda.vllm.worker.CPUWorker`) and ``additional_config``.
 
-Limits: prefix caching is off (compaction rewrites a request's own blocks); a preempted
-request is recomputed dense; CPU_ATTN stores K/V in its "vec" layout (the worker selects
+With prefix caching (vLLM's default, on), the prompt's tokens read from the cache and the
+blocks another request shares are kept whole and never rewritten; the budget applies to the
+rest, and the request's own blocks leave the prefix cache before they are rewritten.
+
+Limits: a preempted request is recomputed dense; CPU_ATTN stores K/V in its "vec" layout (the worker selects
 it); speculative decoding is not supported.
 """
 
@@ -48,14 +51,14 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
                 gqa: str = "mean") -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
-    into the result; do not override the ones it sets."""
+    into the result; do not override the ones it sets. vLLM's defaults stand (chunked
+    prefill and prefix caching on)."""
     p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
                       pool=pool, gqa=gqa)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
         "additional_config": {CONFIG_KEY: p.to_config()},
-        "enable_prefix_caching": False,
     }
 
 

@@ -1,22 +1,28 @@
 """The compression rule the scheduler and the workers share, on :mod:`kvprune_cuda.policy`.
 
-Both sides decide, from the same scheduler output, which requests are compressed after
-their prefill and to how many tokens, so no message passes between them: a request is
-compressed in the step that computes the last token of its prompt (its only step, or the
-last chunk of a chunked prefill), when it has generated nothing yet (a preempted request,
-recomputed with its outputs, stays dense) and the policy keeps fewer tokens than the prompt
-holds. Its earlier prefill chunks are recorded for it (:func:`records`): the observation
-window may span chunks.
+A request is compressed in the step that computes the last token of its prompt (its only
+step, or the last chunk of a chunked prefill), when it has generated nothing yet (a
+preempted request, recomputed with its outputs, stays dense) and the policy keeps fewer
+tokens than the prompt holds. With prefix caching, the prompt's first ``pinned`` tokens are
+kept whole and never rewritten: those read from the prefix cache and those in blocks another
+request shares at that step; the budget applies to the rest (:func:`kept_tokens`). Only the
+scheduler sees block sharing, so it decides and hands each step's decisions to the workers
+inside the scheduler output (:data:`PLAN_ATTR`), vLLM's own path to them. Earlier prefill
+chunks of a request that may be compressed are recorded by the workers (:func:`records`):
+the observation window may span chunks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 from kvprune_cuda import policy as policies
 
 POLICIES = ("full", "snapkv", "streaming")  # those the engine runs (kvzip, h2o: kp.hf only)
 CONFIG_KEY = "kvprune"  # the entry of vLLM's additional_config that holds the policy
+# The SchedulerOutput attribute with the step's compressions: {req_id: (kept, pinned)}.
+PLAN_ATTR = "kvprune_compress"
 
 
 def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
@@ -38,28 +44,37 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
     return engine_policy(**{"policy": None, **extra[CONFIG_KEY]})
 
 
-def kept_tokens(policy: "policies.Policy", prompt_len: int) -> Optional[int]:
-    """Tokens a prompt of ``prompt_len`` keeps (kp.hf's rule), or None when nothing is evicted."""
-    if isinstance(policy, policies.Full) or prompt_len < 1:
+def kept_tokens(policy: "policies.Policy", prompt_len: int, pinned: int = 0) -> Optional[int]:
+    """Tokens a prompt of ``prompt_len`` keeps when its first ``pinned`` are kept whole: those
+    plus the policy's budget of the other ``prompt_len - pinned`` (kp.hf's rule; with
+    ``pinned = 0`` exactly kp.hf's), or None when nothing is evicted."""
+    own = prompt_len - pinned
+    if isinstance(policy, policies.Full) or own < 1:
         return None
-    kept = policy.kept_tokens(prompt_len)
+    kept = pinned + policy.kept_tokens(own)
     return kept if kept < prompt_len else None
 
 
+def with_pinned(policy: "policies.Policy", kept: int, pinned: int) -> "policies.Policy":
+    """The policy that selects ``kept`` tokens with the first ``pinned`` kept whole: the same
+    policy with at least ``pinned`` sinks. kp.hf with it keeps what the engine keeps."""
+    return dataclasses.replace(policy, budget=kept, n_sink=max(policy.n_sink, pinned))
+
+
 def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
-               prompt_len: int, num_output: int = 0) -> Optional[int]:
+               prompt_len: int, num_output: int = 0, pinned: int = 0) -> Optional[int]:
     """Tokens kept by a request whose step computes ``num_scheduled`` tokens from
     ``num_computed`` (of a ``prompt_len``-token prompt, ``num_output`` tokens generated so
-    far); None when this step does not compress it."""
+    far, the first ``pinned`` kept whole); None when this step does not compress it."""
     if num_output or num_computed >= prompt_len or num_computed + num_scheduled != prompt_len:
         return None
-    return kept_tokens(policy, prompt_len)
+    return kept_tokens(policy, prompt_len, pinned)
 
 
 def records(policy: "policies.Policy", num_computed: int, num_scheduled: int,
             prompt_len: int, num_output: int = 0) -> bool:
-    """Whether this step is an earlier prefill chunk of a request that a later step
-    compresses: its queries are kept for the observation window."""
+    """Whether this step is an earlier prefill chunk of a request that a later step may
+    compress: its queries are kept for the observation window."""
     return (not num_output and num_computed + num_scheduled < prompt_len
             and kept_tokens(policy, prompt_len) is not None
             and policy.observed_queries(prompt_len) > 0)

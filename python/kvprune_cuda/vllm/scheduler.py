@@ -1,10 +1,17 @@
-"""vLLM scheduler side: return a compressed request's freed blocks to the pool.
+"""vLLM scheduler side: decide each step's compressions and return the freed blocks.
 
-:class:`Scheduler` is vLLM's scheduler with two additions:
+:class:`Scheduler` is vLLM's scheduler with these additions:
 
-* after the step that computed the last token of a request's prompt
-  (:func:`~kvprune_cuda.vllm._policy.compresses`, the workers' rule), the blocks past its kept tokens leave the request and go back to the
-  ``BlockPool`` (the worker has compacted the kept tokens into the first blocks);
+* after vLLM schedules a step, every request whose step computes the last token of its
+  prompt is checked with :func:`~kvprune_cuda.vllm._policy.compresses`. Its first
+  ``pinned`` tokens are kept whole: its prefix-cache hits and the leading blocks another
+  request holds too (ref count > 1, whether it hit them before or in this very step); the
+  budget applies to the rest. The decisions ride to the workers on the scheduler output
+  (``_policy.PLAN_ATTR``), and the request's own blocks lose their prefix-cache hashes
+  before the workers rewrite them, so no later request can hit stale content; a compressed
+  request's blocks are never cached again;
+* after that step, the blocks past its kept tokens leave the request and go back to the
+  ``BlockPool`` (the workers have compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
   ``KVCacheManager.allocate_slots`` sees the request with that count while it runs.
   ``num_computed_tokens`` itself keeps counting positions, so decoding continues at the
@@ -16,6 +23,8 @@ outputs, which is not a prompt-only step, so it stays uncompressed).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.request import RequestStatus
@@ -24,69 +33,115 @@ from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
 
 
+class Held(NamedTuple):
+    """A compressed request: of its ``prompt_len`` prompt tokens it holds ``kept``, the
+    first ``pinned`` of them whole."""
+    prompt_len: int
+    kept: int
+    pinned: int
+
+    @property
+    def evicted(self) -> int:
+        return self.prompt_len - self.kept
+
+
 class Scheduler(_VllmScheduler):
-    """vLLM's scheduler that frees the blocks compression empties (``scheduler_cls``)."""
+    """vLLM's scheduler that decides compressions and frees the blocks they empty
+    (``scheduler_cls``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version(vllm.__version__)
         super().__init__(*args, **kwargs)
         self.kvprune_policy = _policy.from_vllm_config(self.vllm_config)
-        self.kvprune_evicted: dict[str, int] = {}   # req_id -> tokens evicted, while running
-        self.kvprune_freed_blocks = 0               # blocks returned to the pool so far
-        self._compressing: dict[str, int] = {}      # req_id -> kept, for the step in flight
-        allocate = self.kv_cache_manager.allocate_slots
-        self.kv_cache_manager.allocate_slots = (
+        self.kvprune_held: dict[str, Held] = {}   # req_id -> its compression, while running
+        self.kvprune_freed_blocks = 0             # blocks returned to the pool so far
+        self._compressing: dict[str, Held] = {}   # req_id -> compression of the step in flight
+        self._prefix_hits: dict[str, int] = {}    # req_id -> prompt tokens read from the cache
+        manager = self.kv_cache_manager
+        allocate, cache = manager.allocate_slots, manager.coordinator.cache_blocks
+        manager.allocate_slots = (
             lambda request, *a, **kw: self._allocate_held(allocate, request, *a, **kw))
+        manager.coordinator.cache_blocks = (
+            lambda request, *a, **kw: None if request.request_id in self.kvprune_held
+            else cache(request, *a, **kw))
 
     def _allocate_held(self, allocate, request, *args, **kwargs):
-        evicted = self.kvprune_evicted.get(request.request_id, 0)
-        if not evicted:
+        held = self.kvprune_held.get(request.request_id)
+        if held is None:
             return allocate(request, *args, **kwargs)
-        request.num_computed_tokens -= evicted
+        request.num_computed_tokens -= held.evicted
         try:
             return allocate(request, *args, **kwargs)
         finally:
-            request.num_computed_tokens += evicted
+            request.num_computed_tokens += held.evicted
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         cached = output.scheduled_cached_reqs
         steps = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+        starts = {new.req_id for new in output.scheduled_new_reqs} | set(cached.resumed_req_ids)
+        plan = {}
         for req_id, num_computed in steps:  # num_computed: before this step, as the workers see it
+            if req_id in starts:  # computed from scratch: what precedes came from the cache
+                self._prefix_hits[req_id] = num_computed
             request = self.requests[req_id]
+            pinned = max(self._prefix_hits.get(req_id, 0), self._shared_tokens(req_id))
             kept = _policy.compresses(self.kvprune_policy, num_computed,
                                       output.num_scheduled_tokens[req_id],
-                                      request.num_prompt_tokens, request.num_output_tokens)
+                                      request.num_prompt_tokens, request.num_output_tokens,
+                                      pinned)
             if kept is not None:
-                self._compressing[req_id] = kept
+                self._compressing[req_id] = Held(request.num_prompt_tokens, kept, pinned)
+                plan[req_id] = (kept, pinned)
+                self._uncache_own_blocks(req_id, pinned)
+        setattr(output, _policy.PLAN_ATTR, plan)
         return output
+
+    def _groups(self):
+        return self.kv_cache_manager.coordinator.single_type_managers
+
+    def _shared_tokens(self, req_id: str) -> int:
+        """Tokens in the request's leading blocks that another request holds too."""
+        shared = 0
+        for group in self._groups():
+            blocks = group.req_to_blocks.get(req_id, ())
+            n = next((i for i, b in enumerate(blocks) if b.ref_cnt < 2), len(blocks))
+            shared = max(shared, n * group.block_size)
+        return shared
+
+    def _uncache_own_blocks(self, req_id: str, pinned: int) -> None:
+        """Removes the prefix-cache hashes of the request's blocks past ``pinned`` (those
+        compaction rewrites, or frees): no later request may hit their old content."""
+        pool = self.kv_cache_manager.block_pool
+        for group in self._groups():
+            for block in group.req_to_blocks.get(req_id, ())[pinned // group.block_size:]:
+                pool._maybe_evict_cached_block(block)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         compressing, self._compressing = self._compressing, {}
-        for req_id, kept in compressing.items():
+        for req_id, held in compressing.items():
+            self._prefix_hits.pop(req_id, None)
             request = self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING:
-                self._free_evicted_blocks(request, kept)
-        for req_id in [r for r in self.kvprune_evicted if r not in self.requests]:
-            del self.kvprune_evicted[req_id]
+                self._free_evicted_blocks(request, held)
+        for state in (self.kvprune_held, self._prefix_hits):
+            for req_id in [r for r in state if r not in self.requests]:
+                del state[req_id]
         return outputs
 
-    def _free_evicted_blocks(self, request, kept: int) -> None:
+    def _free_evicted_blocks(self, request, held: Held) -> None:
         manager = self.kv_cache_manager
-        for group in manager.coordinator.single_type_managers:
-            keep = -(-kept // group.block_size)
+        for group in self._groups():
+            keep = -(-held.kept // group.block_size)
             blocks = group.req_to_blocks[request.request_id]
             tail = blocks[keep:]
             del blocks[keep:]
-            if request.request_id in group.num_cached_block:
-                group.num_cached_block[request.request_id] = min(
-                    group.num_cached_block[request.request_id], keep)
             manager.block_pool.free_blocks(reversed(tail))
             self.kvprune_freed_blocks += len(tail)
-        self.kvprune_evicted[request.request_id] = request.num_prompt_tokens - kept
+        self.kvprune_held[request.request_id] = held
 
     def _preempt_request(self, request, *args, **kwargs):
-        self.kvprune_evicted.pop(request.request_id, None)
+        self.kvprune_held.pop(request.request_id, None)
         return super()._preempt_request(request, *args, **kwargs)

@@ -2,22 +2,24 @@
 
 :class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
 
-1. ``_prepare_inputs`` (wrapped): notes the rows whose step computes the last token of
-   their prompt (:func:`~kvprune_cuda.vllm._policy.compresses`, the scheduler's rule) and
-   the rows of earlier prefill chunks whose queries are recorded
+1. ``_prepare_inputs`` (wrapped): reads the step's compressions that the scheduler put on
+   its output (``_policy.PLAN_ATTR``: kept and pinned tokens per request), notes the rows
+   of earlier prefill chunks whose queries are recorded
    (:func:`~kvprune_cuda.vllm._policy.records`), and, for requests compressed in an earlier
    step, makes attention see the compacted cache: their ``seq_lens`` shrink by the evicted
    count ``e`` and the slot of a token at position p is computed for position ``p - e``.
    Positions themselves (RoPE) stay the original ones.
 2. a forward hook on every decoder ``Attention`` layer: an earlier chunk's row keeps that
    layer's last ``window`` post-RoPE queries (at most ``window x Hq x D`` per layer and
-   request, dropped when the request is compressed, finished or preempted); after the
+   request, dropped when its prompt is done, or it finishes or is preempted); after the
    attention of a compressing row (which wrote the last chunk's keys), kvprune reads the
    whole prompt's keys through the row's blocks
    (:func:`~kvprune_cuda.vllm.cpu_cache.request_keys`), scores them with the observation
    window's queries (this chunk's and the recorded ones: the policy's ``score``), selects
-   (``kp.select_keep``) and compacts the kept tokens to the row's first slots in vLLM's
-   cache (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`).
+   (``kp.select_keep``, the pinned prefix kept whole) and compacts the kept tokens of the
+   blocks past the pinned prefix in vLLM's cache
+   (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`); the pinned blocks, which another
+   request may share, are never written.
 3. ``execute_model`` (wrapped): after the step, drops the freed blocks from the
    compressed rows' block tables; the scheduler returns the same blocks to its pool.
 """
@@ -47,6 +49,7 @@ class _Row:
     row: int        # row of the persistent batch during this step
     prompt_len: int
     kept: int
+    pinned: int = 0  # leading tokens kept whole (block-aligned; never rewritten)
 
 
 class RunnerHooks:
@@ -88,17 +91,19 @@ class RunnerHooks:
     def _prepare(self, prepare, scheduler_output, *args, **kwargs):
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
+        compress = getattr(scheduler_output, _policy.PLAN_ATTR, {})
         self.plan, self.recording = [], []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
-            state = self.runner.requests[req_id]
-            step = (int(batch.num_computed_tokens_cpu[row]),
-                    scheduler_output.num_scheduled_tokens[req_id],
-                    int(batch.num_prompt_tokens[row]), len(state.output_token_ids))
-            kept = _policy.compresses(self.policy, *step)
-            if kept is not None:
-                self.plan.append(_Row(req_id, row, step[2], kept))
-            elif _policy.records(self.policy, *step):
-                self.recording.append(_Row(req_id, row, step[2], 0))
+            prompt_len = int(batch.num_prompt_tokens[row])
+            if req_id in compress:
+                self.plan.append(_Row(req_id, row, prompt_len, *compress[req_id]))
+                if self.plan[-1].pinned % self.block_size:
+                    raise RuntimeError(f"kvprune_cuda.vllm: pinned prefix {compress[req_id]} "
+                                       f"of {req_id} is not whole blocks of {self.block_size}")
+            elif _policy.records(self.policy, int(batch.num_computed_tokens_cpu[row]),
+                                 scheduler_output.num_scheduled_tokens[req_id], prompt_len,
+                                 len(self.runner.requests[req_id].output_token_ids)):
+                self.recording.append(_Row(req_id, row, prompt_len, 0))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -134,8 +139,11 @@ class RunnerHooks:
             n_blocks = -(-row.prompt_len // self.block_size)
             blocks = meta.block_table[row.row, :n_blocks].to(torch.int32).contiguous()
             keys = request_keys(module.kv_cache, blocks, row.prompt_len)  # [N, Hkv, D]
-            idx = kept_indices(self.policy, queries, keys, row.kept, module.impl.scale)
-            compact_request(module.kv_cache, blocks[None], row.prompt_len, idx)
+            policy = _policy.with_pinned(self.policy, row.kept, row.pinned)
+            idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
+            first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
+            compact_request(module.kv_cache, blocks[None, first:], row.prompt_len - row.pinned,
+                            (idx[:, :, row.pinned:] - row.pinned).contiguous())
             self.compactions += 1
         return output
 
@@ -164,9 +172,11 @@ class RunnerHooks:
         try:
             return execute(scheduler_output, *args, **kwargs)
         finally:
-            plan, self.plan, self.recording = self.plan, [], []
-            for row in plan:
-                self.window_queries.pop(row.req_id, None)
+            plan, self.plan = self.plan, []
+            recorded, self.recording = {row.req_id for row in self.recording}, []
+            for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
+                if req_id not in recorded:
+                    self.window_queries.pop(req_id, None)
             self._truncate(plan)
 
     def _truncate(self, plan: list[_Row]) -> None:
