@@ -10,12 +10,14 @@ Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct, bf16; ~``--
 prompts from Jane Austen with a 5-digit pass key at a random depth and the question at the
 end; greedy, ``--gen`` tokens each with EOS ignored, so each request holds its memory for a
 fixed number of decode steps) through a pool of ``--pool-requests`` dense requests' worth of
-blocks (``num_gpu_blocks_override``). All requests arrive at t = 0; the loop drives
+blocks (``num_gpu_blocks_override``), with vLLM's defaults for chunked prefill and prefix
+caching (both on) and for the step's token budget. All requests arrive at t = 0; the loop drives
 ``LLMEngine.step()`` and reads vLLM's own scheduler state after each step (running and
 waiting queues, KV-cache usage). "dense" is kvprune's policy "full" (same worker, same
 CPU_ATTN "vec" layout, nothing evicted); "vllm" (``--plain``) is vLLM untouched.
 Reported per setting: peak and time-weighted mean of running requests, generated tokens per
-second over the whole burst, time to first token (includes queueing), pass-key accuracy.
+second over the whole burst, time to first token (includes queueing; p50 / p99), time per
+output token after the first (p50 / p99 over requests), pass-key accuracy.
 """
 
 from __future__ import annotations
@@ -55,9 +57,8 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
     from tqdm import tqdm
 
     prompt_blocks = -(-(max(len(p) for p, _ in reqs) + args.gen) // BLOCK)
-    llm = vllm.LLM(model_dir, dtype="bfloat16", max_model_len=args.tokens + args.gen + 64,
-                   max_num_batched_tokens=args.tokens + args.gen + 64, enforce_eager=True,
-                   block_size=BLOCK, seed=0, max_num_seqs=args.max_num_seqs,
+    llm = vllm.LLM(model_dir, dtype=args.dtype, max_model_len=args.tokens + args.gen + 64,
+                   enforce_eager=True, block_size=BLOCK, seed=0, max_num_seqs=args.max_num_seqs,
                    num_gpu_blocks_override=args.pool_requests * prompt_blocks + 1,
                    **engine_kwargs)
     engine = llm.llm_engine
@@ -66,7 +67,7 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
     t0 = time.perf_counter()
     for i, (ids, _) in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    first, done, timeline = {}, {}, []
+    first, done, end, timeline = {}, {}, {}, []
     bar = tqdm(total=len(reqs), desc=name, unit="req")
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -78,6 +79,7 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
                 first[o.request_id] = now
             if o.finished:
                 done[o.request_id] = o.outputs[0].text
+                end[o.request_id] = now
                 bar.update(1)
     bar.close()
     makespan = time.perf_counter() - t0
@@ -86,7 +88,8 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
     del llm, engine, scheduler
     gc.collect()
     hits = [key in done[str(i)][:40] for i, (_, key) in enumerate(reqs)]
-    ttft = sorted(first[str(i)] for i in range(len(reqs)))
+    ttft = [first[str(i)] for i in range(len(reqs))]
+    tpot = [(end[str(i)] - first[str(i)]) / max(args.gen - 1, 1) for i in range(len(reqs))]
     weighted = sum((t1 - t0_) * r for (t0_, r, _, _), (t1, _, _, _)
                    in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline))
     return {
@@ -94,10 +97,21 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
         "peak_running": max(r for _, r, _, _ in timeline),
         "mean_running": weighted / makespan,
         "makespan_s": makespan, "gen_tok_per_s": len(reqs) * args.gen / makespan,
-        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_median_s": ttft[len(ttft) // 2],
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99), "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
         "hits": sum(hits), "n": len(reqs), "timeline": timeline,
         "answers": [done[str(i)][:40] for i in range(len(reqs))],
     }
+
+
+def percentile(values, q):
+    """The q-th percentile (linear interpolation between the closest ranks)."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def plot(results, path):
@@ -126,20 +140,23 @@ def plot(results, path):
 def table(results, meta):
     dense = next((r for r in results if r["setting"] == "dense"), None)
     ratio = lambda a, b: "-" if dense is None else f"{a / b:.2f}"  # noqa: E731
-    lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']}; commit {meta['commit']}",
+    lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']} (chunked prefill and prefix "
+             f"caching on); {meta['dtype']}; commit {meta['commit']}",
              f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
              f"generated; pool {results[0]['pool_blocks']} blocks of {BLOCK} "
              f"(= {meta['pool_requests']} dense requests)", "",
              "| setting | peak running | mean running | x dense (peak) | gen tok/s | "
-             "x dense | TTFT mean / median (s) | makespan (s) | blocks freed | pass key |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | makespan (s) | blocks freed "
+             "| pass key |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['setting']} | {r['peak_running']} | {r['mean_running']:.1f} | "
             f"{ratio(r['peak_running'], dense and dense['peak_running'])} | "
             f"{r['gen_tok_per_s']:.2f} | "
-            f"{ratio(r['gen_tok_per_s'], dense and dense['gen_tok_per_s'])} | {r['ttft_mean_s']:.0f} / "
-            f"{r['ttft_median_s']:.0f} | {r['makespan_s']:.0f} | {r['freed_blocks'] or 0} | "
+            f"{ratio(r['gen_tok_per_s'], dense and dense['gen_tok_per_s'])} | "
+            f"{r['ttft_p50_s']:.0f} / {r['ttft_p99_s']:.0f} | {r['tpot_p50_s']:.2f} / "
+            f"{r['tpot_p99_s']:.2f} | {r['makespan_s']:.0f} | {r['freed_blocks'] or 0} | "
             f"{r['hits']}/{r['n']} |")
     return "\n".join(lines)
 
@@ -147,13 +164,16 @@ def table(results, meta):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens per request")
+    ap.add_argument("--requests", type=int, default=72)
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--gen", type=int, default=64, help="generated tokens per request")
-    ap.add_argument("--pool-requests", type=int, default=4,
+    ap.add_argument("--pool-requests", type=int, default=12,
                     help="KV pool size, in dense requests (prompt + gen)")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.2])
+    ap.add_argument("--max-num-seqs", type=int, default=96)
+    ap.add_argument("--dtype", default="float32",
+                    help="model and KV dtype (float32: bf16 runs ~6x slower on CPUs without "
+                         "AVX-512 BF16)")
     ap.add_argument("--plain", action="store_true", help="also run vLLM without kvprune")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense run (the x dense columns then read '-')")
@@ -171,16 +191,15 @@ def main() -> None:
     model_dir = str(common.model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = make_requests(tok, args.requests, args.tokens, args.seed)
-    settings = ([("vllm", {"enable_prefix_caching": False, "enable_chunked_prefill": False})]
-                if args.plain else [])
+    settings = [("vllm", {})] if args.plain else []
     if not args.no_dense:
         settings += [("dense", kp.vllm.engine_args("full"))]
-    settings += [(f"snapkv {int(b * 100)} %", kp.vllm.engine_args("snapkv", b))
+    settings += [(f"snapkv {round(b * 100)} %", kp.vllm.engine_args("snapkv", b))
                  for b in args.budgets]
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
     meta = {**common.run_meta(), "vllm": vllm.__version__,
             "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),
-            "gen": args.gen, "pool_requests": args.pool_requests}
+            "gen": args.gen, "pool_requests": args.pool_requests, "dtype": args.dtype}
     text = table(results, meta)
     print(text)
     common.write_json(args.out, {"meta": meta, "results": results})
