@@ -12,6 +12,10 @@ Torch-only (no transformers, no vllm). A policy object holds its options, valida
   tokens, which every policy keeps).
 
 Adding a policy is one class here (and its entry in :data:`POLICIES`) plus its test.
+
+:class:`DecodeRule` is the periodic decode-time rule built on them (:func:`make_decode`):
+every ``interval`` generated tokens, a cache holding more than ``max_held`` tokens is
+compressed back to ``max_held`` by a policy's selection.
 """
 
 from __future__ import annotations
@@ -242,5 +246,72 @@ def make(policy: Union[str, Policy], **options) -> Policy:
     return cls(**{**base, **{k: v for k, v in options.items() if k in names}})
 
 
+DECODE_POLICIES = ("streaming", "snapkv")  # h2o: per-step accumulation, not written yet
+
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """Periodic decode-time compression, the same in kp.hf and kp.vllm.
+
+    After a forward that brings the request's generated tokens in the cache (prompt positions
+    excluded) to ``g`` from ``g - q_len``, if ``g`` crossed a multiple of ``interval`` and the
+    cache holds more than :meth:`target` tokens, it is compressed to :meth:`target` by
+    ``policy``'s selection over the held tokens: ``"streaming"`` keeps the sinks and the most
+    recent tokens; ``"snapkv"`` scores every held key by the last ``window`` decode queries
+    (SnapKV voting over the request's own recent decode queries, pooled) and keeps the sinks,
+    the last ``window`` tokens and the top scores. Positions are never changed (kept keys
+    keep their rotation). ``policy.budget`` is ``max_held``.
+    """
+
+    policy: Policy
+    interval: int
+
+    def __post_init__(self) -> None:
+        _check_choice("decode", self.policy.name, DECODE_POLICIES)
+        _check_int("interval", self.interval, 1)
+        if isinstance(self.policy, SnapKV) and self.interval < self.policy.window:
+            raise ValueError(f"interval: {self.interval} < window {self.policy.window}; snapkv "
+                             "votes with the last window decode queries, all after the last "
+                             "compression")
+
+    @property
+    def max_held(self) -> int:
+        return self.policy.budget
+
+    def target(self, pinned: int = 0) -> int:
+        """Tokens held after a compression, the first ``pinned`` (sinks at least) kept whole."""
+        return max(self.max_held, max(self.policy.n_sink, pinned) + self.policy.window)
+
+    def compresses(self, generated: int, q_len: int, held: int, pinned: int = 0
+                   ) -> Optional[int]:
+        """Tokens to keep after a forward of ``q_len`` tokens that brought the generated
+        tokens to ``generated`` and the cache to ``held`` tokens; None: no compression."""
+        if generated < 1 or generated // self.interval == (generated - q_len) // self.interval:
+            return None
+        target = self.target(pinned)
+        return target if held > target else None
+
+
+def make_decode(decode: Optional[str], max_held: Optional[int], interval: Optional[int],
+                **options) -> Optional[DecodeRule]:
+    """The :class:`DecodeRule` ``decode`` ("streaming" | "snapkv"; None: no decode-time
+    compression) that compresses to ``max_held`` tokens every ``interval`` generated tokens,
+    with the policy ``options`` (n_sink, window, kernel_size, pool, gqa)."""
+    if decode is None:
+        if max_held is not None or interval is not None:
+            raise ValueError("decode: max_held / interval given without a decode policy")
+        return None
+    _check_choice("decode", decode, DECODE_POLICIES)
+    if isinstance(max_held, bool) or not isinstance(max_held, int):
+        raise ValueError(f"max_held: expected a token count, got {max_held!r}")
+    if isinstance(interval, bool) or not isinstance(interval, int):
+        raise ValueError(f"interval: expected a token count, got {interval!r}")
+    try:
+        policy = make(decode, budget=max_held, **options)
+    except ValueError as e:
+        raise ValueError(str(e).replace("budget:", "max_held:", 1)) from None
+    return DecodeRule(policy, interval)
+
+
 __all__ = ["POLICIES", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
-           "make", "resolve_budget"]
+           "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode"]

@@ -481,3 +481,36 @@ def h2o_evict(
             chosen_sorted = sorted(chosen) + [-1] * (num - first - len(chosen))
             nxt[b, h, first:] = torch.tensor(chosen_sorted, dtype=torch.int32)
     return scores, pos, nxt
+
+
+def periodic_decode(
+    held: list[int],
+    steps: int,
+    *,
+    max_held: int,
+    interval: int,
+    n_sink: int = 4,
+    window: int = 32,
+    pick=None,
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Periodic decode-time compression, one generated token per step.
+
+    `held`: positions the cache holds after the prompt (its last is the prompt's last).
+    Decode step g = 1..steps writes the next position; after it, when g is a multiple of
+    `interval` and more than `target = max(max_held, n_sink + window)` positions are held,
+    the cache keeps `target` of them: `pick(held, target)` (default StreamingLLM: the first
+    `n_sink` held and the most recent). Returns the positions held at the end and one
+    (g, held before, held after) per compression.
+    """
+    held = list(held)
+    target = max(max_held, n_sink + window)
+    if pick is None:
+        pick = lambda h, t: h[:n_sink] + h[len(h) - (t - n_sink):]  # noqa: E731
+    events = []
+    for g in range(1, steps + 1):
+        held.append(held[-1] + 1)
+        if g % interval == 0 and len(held) > target:
+            before = len(held)
+            held = sorted(pick(held, target))
+            events.append((g, before, len(held)))
+    return held, events

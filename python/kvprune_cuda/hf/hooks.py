@@ -11,8 +11,11 @@ keep their original positions (``cache_position`` / ``position_ids`` count token
 tokens held), so nothing is re-rotated. Once a cache is compressed the hooks build each
 layer's attention mask themselves (``[B, Hq, q, held + q]``, additive), so left-padded batches
 and multi-token forwards on a compressed cache stay exact; a fixed-capacity layer (streaming,
-h2o) fills its own. Only ``DynamicCache`` (the default) with eager or SDPA attention is
-supported.
+h2o) fills its own. With a decode-time rule (``decode=``,
+:class:`~kvprune_cuda.policy.DecodeRule`) a layer is compressed again after the decode
+forwards the rule picks (every ``interval`` generated tokens, once it holds more than
+``max_held``), snapkv voting with the last ``window`` decode queries. Only ``DynamicCache``
+(the default) with eager or SDPA attention is supported.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+import kvprune_cuda as kp
 from kvprune_cuda import policy as policies
 from kvprune_cuda.hf import scoring, select
-from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
+from kvprune_cuda.hf._compat import cache_arg, cache_kv, set_cache_kv, takes_cache_position
 from kvprune_cuda.hf.lse import attention_lse
 from kvprune_cuda.hf.memory import tensor_bytes
 from kvprune_cuda.hf.scoring import FIXED, LayerState
@@ -50,9 +54,21 @@ class KVCompressor:
                  window: Optional[int] = None, kernel_size: Optional[int] = None,
                  pool: Optional[str] = None, gqa: Optional[str] = None,
                  compress_on_prefill: bool = True,
-                 observe: Iterable["policies.Policy"] = ()) -> None:
+                 observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
+                 max_held: Optional[int] = None, interval: Optional[int] = None) -> None:
         self.policy = policies.make(policy, budget=budget, n_sink=n_sink, window=window,
                                     kernel_size=kernel_size, pool=pool, gqa=gqa)
+        options = {f: getattr(self.policy, f) for f in
+                   ("n_sink", "window", "kernel_size", "pool", "gqa") if hasattr(self.policy, f)}
+        self.decode = policies.make_decode(decode, max_held, interval,
+                                           **{**options, **{k: v for k, v in dict(
+                                               n_sink=n_sink, window=window,
+                                               kernel_size=kernel_size, pool=pool,
+                                               gqa=gqa).items() if v is not None}})
+        if self.decode is not None and self.policy.fixed_capacity:
+            raise ValueError(f"decode: the prompt policy {self.policy.name!r} already holds a "
+                             "fixed-capacity ring while decoding; use it with 'snapkv' or "
+                             "'full'")
         if isinstance(self.policy, policies.KVzip) and compress_on_prefill:
             raise ValueError("policy: 'kvzip' scores by reconstructing the context after its "
                              "prefill; use kp.hf.compress_context")
@@ -200,6 +216,7 @@ class KVCompressor:
         if st.compressed:  # masked or ragged: the new tokens join the slot validity
             nv = self._new_valid[:, None, :].expand(-1, st.slot_valid.shape[1], -1)
             st.slot_valid = torch.cat([st.slot_valid, nv], 2)
+            self._decode_step(module, st, cache, i, hs, kwargs)
             return output
         k = cache_kv(cache, i)[0]
         if self._reconstruction is not None:
@@ -217,7 +234,41 @@ class KVCompressor:
                 held = select.compress_layer(st, cache, i, self.policy,
                                              self.policy.kept_tokens(n), self.prefill_valid)
             self.prompt_len, self.compressed_len = n, held
+        else:
+            self._decode_step(module, st, cache, i, hs, kwargs)
         return output
+
+    def _decode_step(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
+        """The decode-time rule after a forward past the prompt: records the decode queries
+        snapkv votes with and compresses the layer when the rule says so."""
+        rule, q_len = self.decode, hs.shape[1]
+        if rule is None or self.prompt_len is None:
+            return
+        generated = self.seen + q_len - self.prompt_len
+        if generated < 1:
+            return
+        p = rule.policy
+        if p.observed_queries(q_len):
+            cos, sin = kwargs["position_embeddings"]
+            k = cache_kv(cache, i)[0]
+            n = min(q_len, p.window)
+            qn = scoring.post_rope_queries(module, hs[:, q_len - n:], cos[:, q_len - n:],
+                                           sin[:, q_len - n:]).to(k.dtype)
+            scoring.record_queries(st, qn, p.window)
+        k, v = cache_kv(cache, i)
+        kept = rule.compresses(generated, q_len, k.shape[2])
+        if kept is None:
+            return
+        if st.layout not in (scoring.FULL, scoring.MASKED) or (
+                st.slot_valid is not None and not bool(st.slot_valid.all())):
+            raise ValueError("attention_mask: decode-time compression needs rows without "
+                             "padding and one token count per layer")
+        scores = p.score(st.queries, k, scale=getattr(module, "scaling", None))
+        idx = kp.select_keep(scores, kept, n_sink=p.n_sink, window=p.window)
+        kk, vv = kp.gather_kv(k, v, idx)
+        set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+        st.slot_valid, st.layout = idx >= 0, scoring.MASKED
+        self.compressed_len = kept
 
     def _record(self, st: LayerState, qn: torch.Tensor, k: torch.Tensor) -> None:
         """Records the observed queries ``qn`` [B, Hq, n_q, D] for every observed policy."""
@@ -305,14 +356,18 @@ class KVCompressor:
 @contextlib.contextmanager
 def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
              window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
-             ) -> Iterator[KVCompressor]:
+             decode: Optional[str] = None, max_held: Optional[int] = None,
+             interval: Optional[int] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o"; see
-    :mod:`kvprune_cuda.policy`). Yields the :class:`KVCompressor` (``prompt_len``,
-    ``compressed_len``, ``nbytes``)."""
+    :mod:`kvprune_cuda.policy`), and with ``decode`` ("streaming" | "snapkv") again every
+    ``interval`` generated tokens once it holds more than ``max_held``
+    (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
+    (``prompt_len``, ``compressed_len``, ``nbytes``)."""
     comp = KVCompressor(model, policy, budget, n_sink=n_sink, window=window,
-                        kernel_size=kernel_size, pool=pool, gqa=gqa).attach()
+                        kernel_size=kernel_size, pool=pool, gqa=gqa, decode=decode,
+                        max_held=max_held, interval=interval).attach()
     try:
         yield comp
     finally:

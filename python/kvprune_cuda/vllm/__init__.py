@@ -24,15 +24,21 @@ With prefix caching (vLLM's default, on), the prompt's tokens read from the cach
 blocks another request shares are kept whole and never rewritten; the budget applies to the
 rest, and the request's own blocks leave the prefix cache before they are rewritten.
 
-Limits: a preempted request is recomputed dense; CPU_ATTN stores K/V in its "vec" layout (the worker selects
+With ``decode=`` (:func:`engine_args`), a long generation is compressed again every
+``interval`` generated tokens once it holds more than ``max_held``, freeing blocks while it
+generates (:class:`kvprune_cuda.policy.DecodeRule`, the same rule as kp.hf's).
+
+Limits: a preempted request is recomputed dense (and not compressed again); CPU_ATTN stores K/V in its "vec" layout (the worker selects
 it); speculative decoding is not supported.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
-from kvprune_cuda.vllm._policy import CONFIG_KEY, POLICIES, engine_policy, kept_tokens
+from kvprune_cuda.policy import make_decode
+from kvprune_cuda.vllm._policy import (CONFIG_KEY, POLICIES, engine_config, engine_policy,
+                                       kept_tokens)
 
 SUPPORTED_VLLM = ("0.32.0",)
 
@@ -48,17 +54,25 @@ def check_vllm_version(version: str) -> None:
 
 def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
                 window: int = 32, kernel_size: int = 7, pool: str = "max",
-                gqa: str = "mean") -> dict:
+                gqa: str = "mean", decode: Optional[str] = None,
+                max_held: Optional[int] = None, interval: Optional[int] = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
     into the result; do not override the ones it sets. vLLM's defaults stand (chunked
-    prefill and prefix caching on)."""
+    prefill and prefix caching on).
+
+    ``decode`` ("streaming" | "snapkv"), ``max_held``, ``interval``: decode-time compression
+    (:class:`kvprune_cuda.policy.DecodeRule`): every ``interval`` generated tokens (a
+    multiple of the engine's block size), a request holding more than ``max_held`` tokens is
+    compressed back to ``max_held`` and its emptied blocks are freed; the same options."""
     p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
                       pool=pool, gqa=gqa)
+    rule = make_decode(decode, max_held, interval, n_sink=n_sink, window=window,
+                       kernel_size=kernel_size, pool=pool, gqa=gqa)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
-        "additional_config": {CONFIG_KEY: p.to_config()},
+        "additional_config": {CONFIG_KEY: engine_config(p, rule)},
     }
 
 

@@ -36,12 +36,39 @@ def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
     return policies.make(policy, budget=budget, **options)
 
 
-def from_vllm_config(vllm_config) -> "policies.Policy":
+def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRule"]) -> dict:
+    """The ``additional_config`` entry that carries ``policy`` and ``decode`` to every process."""
+    rule = None if decode is None else {"decode": decode.policy.name,
+                                        "max_held": decode.max_held,
+                                        "interval": decode.interval}
+    return {**policy.to_config(), "decode": rule}
+
+
+def _config(vllm_config) -> dict:
     extra = getattr(vllm_config, "additional_config", None) or {}
     if CONFIG_KEY not in extra:
         raise ValueError("additional_config: no 'kvprune' entry; build the engine "
                          "arguments with kvprune_cuda.vllm.engine_args()")
-    return engine_policy(**{"policy": None, **extra[CONFIG_KEY]})
+    return dict(extra[CONFIG_KEY])
+
+
+def from_vllm_config(vllm_config) -> "policies.Policy":
+    """The prompt's policy in the engine's configuration."""
+    config = _config(vllm_config)
+    config.pop("decode", None)
+    return engine_policy(**{"policy": None, **config})
+
+
+def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
+    """The decode-time rule in the engine's configuration (None: none), with the prompt
+    policy's options."""
+    rule = _config(vllm_config).get("decode")
+    if rule is None:
+        return None
+    p = from_vllm_config(vllm_config)
+    options = {f: getattr(p, f) for f in ("n_sink", "window", "kernel_size", "pool", "gqa")
+               if hasattr(p, f)}
+    return policies.make_decode(**rule, **options)
 
 
 def kept_tokens(policy: "policies.Policy", prompt_len: int, pinned: int = 0) -> Optional[int]:
@@ -69,6 +96,18 @@ def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
     if num_output or num_computed >= prompt_len or num_computed + num_scheduled != prompt_len:
         return None
     return kept_tokens(policy, prompt_len, pinned)
+
+
+def decode_compresses(rule: Optional["policies.DecodeRule"], num_computed: int,
+                      num_scheduled: int, prompt_len: int, num_output: int, held: int,
+                      pinned: int = 0) -> Optional[int]:
+    """Tokens kept by a decoding request whose step computes ``num_scheduled`` tokens from
+    position ``num_computed`` and then holds ``held`` tokens (the first ``pinned`` whole):
+    ``rule`` counts the generated tokens from the prompt's end. None: no compression."""
+    if rule is None or not num_output or num_computed < prompt_len:
+        return None
+    return rule.compresses(num_computed + num_scheduled - prompt_len, num_scheduled, held,
+                           pinned)
 
 
 def records(policy: "policies.Policy", num_computed: int, num_scheduled: int,

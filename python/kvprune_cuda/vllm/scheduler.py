@@ -10,7 +10,11 @@
   (``_policy.PLAN_ATTR``), and the request's own blocks lose their prefix-cache hashes
   before the workers rewrite them, so no later request can hit stale content; a compressed
   request's blocks are never cached again;
-* after that step, the blocks past its kept tokens leave the request and go back to the
+* with a decode-time rule (``engine_args(decode=...)``), a decoding request is compressed
+  again, the same way, in the steps that :func:`~kvprune_cuda.vllm._policy.decode_compresses`
+  picks (every ``interval`` generated tokens, once it holds more than ``max_held``); a
+  request that was preempted is not;
+* after such a step, the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the workers have compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
   ``KVCacheManager.allocate_slots`` sees the request with that count while it runs.
@@ -34,15 +38,11 @@ from kvprune_cuda.vllm import _policy
 
 
 class Held(NamedTuple):
-    """A compressed request: of its ``prompt_len`` prompt tokens it holds ``kept``, the
-    first ``pinned`` of them whole."""
-    prompt_len: int
+    """A compressed request: right after its last compression it held ``kept`` tokens, the
+    first ``pinned`` of them whole, and had evicted ``evicted`` (positions - held tokens)."""
     kept: int
     pinned: int
-
-    @property
-    def evicted(self) -> int:
-        return self.prompt_len - self.kept
+    evicted: int
 
 
 class Scheduler(_VllmScheduler):
@@ -53,6 +53,11 @@ class Scheduler(_VllmScheduler):
         check_vllm_version(vllm.__version__)
         super().__init__(*args, **kwargs)
         self.kvprune_policy = _policy.from_vllm_config(self.vllm_config)
+        self.kvprune_decode = _policy.decode_from_vllm_config(self.vllm_config)
+        block_size = self.vllm_config.cache_config.block_size
+        if self.kvprune_decode is not None and self.kvprune_decode.interval % block_size:
+            raise ValueError(f"interval: {self.kvprune_decode.interval} is not a multiple of "
+                             f"the block size {block_size} (whole blocks are freed)")
         self.kvprune_held: dict[str, Held] = {}   # req_id -> its compression, while running
         self.kvprune_freed_blocks = 0             # blocks returned to the pool so far
         self._compressing: dict[str, Held] = {}   # req_id -> compression of the step in flight
@@ -86,14 +91,21 @@ class Scheduler(_VllmScheduler):
             if req_id in starts:  # computed from scratch: what precedes came from the cache
                 self._prefix_hits[req_id] = num_computed
             request = self.requests[req_id]
-            pinned = max(self._prefix_hits.get(req_id, 0), self._shared_tokens(req_id))
-            kept = _policy.compresses(self.kvprune_policy, num_computed,
-                                      output.num_scheduled_tokens[req_id],
+            scheduled = output.num_scheduled_tokens[req_id]
+            held = self.kvprune_held.get(req_id)
+            pinned = held.pinned if held else max(self._prefix_hits.get(req_id, 0),
+                                                  self._shared_tokens(req_id))
+            tokens = num_computed + scheduled - (held.evicted if held else 0)  # held after it
+            kept = _policy.compresses(self.kvprune_policy, num_computed, scheduled,
                                       request.num_prompt_tokens, request.num_output_tokens,
                                       pinned)
+            if kept is None and not request.num_preemptions:
+                kept = _policy.decode_compresses(self.kvprune_decode, num_computed, scheduled,
+                                                 request.num_prompt_tokens,
+                                                 request.num_output_tokens, tokens, pinned)
             if kept is not None:
-                self._compressing[req_id] = Held(request.num_prompt_tokens, kept, pinned)
-                plan[req_id] = (kept, pinned)
+                self._compressing[req_id] = Held(kept, pinned, num_computed + scheduled - kept)
+                plan[req_id] = (kept, pinned, tokens)
                 self._uncache_own_blocks(req_id, pinned)
         setattr(output, _policy.PLAN_ATTR, plan)
         return output

@@ -48,20 +48,25 @@ class _Row:
     req_id: str
     row: int        # row of the persistent batch during this step
     prompt_len: int
-    kept: int
+    kept: int = 0
     pinned: int = 0  # leading tokens kept whole (block-aligned; never rewritten)
+    tokens: int = 0  # tokens the request holds once this step's are written
+    decode: bool = False  # a decode-time compression (else the prompt's)
+    positions: int = 0    # positions computed once this step is done
 
 
 class RunnerHooks:
     """The three hooks of the module doc on one vLLM (CPU) model runner."""
 
-    def __init__(self, runner, policy) -> None:
-        self.runner, self.policy = runner, policy
+    def __init__(self, runner, policy, decode=None) -> None:
+        self.runner, self.policy, self.decode = runner, policy, decode
         self.block_size = runner.cache_config.block_size
         self.evicted: dict[str, int] = {}  # req_id -> tokens evicted from its cache
         self.plan: list[_Row] = []         # rows compressed by the step now running
         self.recording: list[_Row] = []     # rows of earlier prefill chunks (kept: unused)
         self.window_queries: dict[str, list] = {}   # req_id -> per layer [<=W, Hq, D]
+        self.decode_queries: dict[str, list] = {}   # req_id -> per layer ring [W, Hq, D], count
+        self.decoding: list[_Row] = []     # rows whose decode queries are recorded
         self.compactions = 0               # (layer, request) compactions done
         self._select_strided_isa()
         prepare, execute = runner._prepare_inputs, runner.execute_model
@@ -92,18 +97,25 @@ class RunnerHooks:
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
         compress = getattr(scheduler_output, _policy.PLAN_ATTR, {})
-        self.plan, self.recording = [], []
+        self.plan, self.recording, self.decoding = [], [], []
+        snapkv_decode = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             prompt_len = int(batch.num_prompt_tokens[row])
+            computed = int(batch.num_computed_tokens_cpu[row])
+            scheduled = scheduler_output.num_scheduled_tokens[req_id]
+            generated = len(self.runner.requests[req_id].output_token_ids)
+            decoding = generated > 0 and computed >= prompt_len
             if req_id in compress:
-                self.plan.append(_Row(req_id, row, prompt_len, *compress[req_id]))
-                if self.plan[-1].pinned % self.block_size:
-                    raise RuntimeError(f"kvprune_cuda.vllm: pinned prefix {compress[req_id]} "
-                                       f"of {req_id} is not whole blocks of {self.block_size}")
-            elif _policy.records(self.policy, int(batch.num_computed_tokens_cpu[row]),
-                                 scheduler_output.num_scheduled_tokens[req_id], prompt_len,
-                                 len(self.runner.requests[req_id].output_token_ids)):
-                self.recording.append(_Row(req_id, row, prompt_len, 0))
+                kept, pinned, tokens = compress[req_id]
+                if pinned % self.block_size:
+                    raise RuntimeError(f"kvprune_cuda.vllm: pinned prefix {pinned} of "
+                                       f"{req_id} is not whole blocks of {self.block_size}")
+                self.plan.append(_Row(req_id, row, prompt_len, kept, pinned, tokens, decoding,
+                                      computed + scheduled))
+            elif _policy.records(self.policy, computed, scheduled, prompt_len, generated):
+                self.recording.append(_Row(req_id, row, prompt_len))
+            if decoding and snapkv_decode:
+                self.decoding.append(_Row(req_id, row, prompt_len))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -120,7 +132,7 @@ class RunnerHooks:
         r.input_batch.block_table.compute_slot_mapping(num_reqs, qsl, positions)
 
     def _after_attention(self, module, args, output):
-        if not self.plan and not self.recording:
+        if not self.plan and not self.recording and not self.decoding:
             return output
         meta = get_forward_context().attn_metadata
         meta = meta.get(module.layer_name) if isinstance(meta, dict) else None
@@ -132,20 +144,45 @@ class RunnerHooks:
         query = args[0].view(-1, module.num_heads, module.head_size)
         qsl = meta.query_start_loc.tolist()
         layer = self.layer_index[id(module)]
+        rows = lambda row: query[qsl[row.row]:qsl[row.row + 1]]  # noqa: E731
         for row in self.recording:
-            self._window(row, layer, query[qsl[row.row]:qsl[row.row + 1]])
+            self._window(row, layer, rows(row))
+        for row in self.decoding:
+            self._decode_window(row.req_id, layer, rows(row))
         for row in self.plan:
-            queries = self._window(row, layer, query[qsl[row.row]:qsl[row.row + 1]])
-            n_blocks = -(-row.prompt_len // self.block_size)
+            if row.decode:
+                policy = self.decode.policy
+                queries = (self._decode_window(row.req_id, layer) if self.decoding
+                           else rows(row)[:0])  # streaming observes no query
+            else:
+                policy, queries = self.policy, self._window(row, layer, rows(row))
+            n_blocks = -(-row.tokens // self.block_size)
             blocks = meta.block_table[row.row, :n_blocks].to(torch.int32).contiguous()
-            keys = request_keys(module.kv_cache, blocks, row.prompt_len)  # [N, Hkv, D]
-            policy = _policy.with_pinned(self.policy, row.kept, row.pinned)
+            keys = request_keys(module.kv_cache, blocks, row.tokens)  # [tokens, Hkv, D]
+            policy = _policy.with_pinned(policy, row.kept, row.pinned)
             idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
-            compact_request(module.kv_cache, blocks[None, first:], row.prompt_len - row.pinned,
+            compact_request(module.kv_cache, blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
             self.compactions += 1
         return output
+
+    def _decode_window(self, req_id: str, layer: int, query=None) -> torch.Tensor:
+        """The request's last ``window`` decode queries of ``layer`` in order ([<= W, Hq, D]),
+        after appending ``query`` ([1, Hq, D], this step's) to its ring."""
+        w = self.decode.policy.window
+        per_layer = self.decode_queries.setdefault(req_id, [None] * len(self.layers))
+        if query is not None:
+            if per_layer[layer] is None:
+                per_layer[layer] = [query.new_empty((w,) + tuple(query.shape[1:])), 0]
+            ring = per_layer[layer]
+            ring[0][ring[1] % w] = query[-1]
+            ring[1] += 1
+        ring, count = per_layer[layer]
+        if count <= w:
+            return ring[:count]
+        start = count % w
+        return torch.cat([ring[start:], ring[:start]])
 
     def _window(self, row: _Row, layer: int, chunk: torch.Tensor) -> torch.Tensor:
         """The request's last observed queries of ``layer`` once ``chunk`` [T, Hq, D] (this
@@ -166,13 +203,14 @@ class RunnerHooks:
         for req_id in gone:
             self.evicted.pop(req_id, None)
             self.window_queries.pop(req_id, None)
+            self.decode_queries.pop(req_id, None)
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
         self._forget(scheduler_output)
         try:
             return execute(scheduler_output, *args, **kwargs)
         finally:
-            plan, self.plan = self.plan, []
+            plan, self.plan, self.decoding = self.plan, [], []
             recorded, self.recording = {row.req_id for row in self.recording}, []
             for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
                 if req_id not in recorded:
@@ -193,7 +231,7 @@ class RunnerHooks:
                     n = int(table.num_blocks_per_row[index])
                     table.block_table.np[index, keep:n] = 0
                     table.num_blocks_per_row[index] = min(n, keep)
-            self.evicted[row.req_id] = row.prompt_len - row.kept
+            self.evicted[row.req_id] = row.positions - row.kept
 
 
 class CPUWorker(_VllmCPUWorker):
@@ -202,11 +240,14 @@ class CPUWorker(_VllmCPUWorker):
     def initialize_from_config(self, kv_cache_config) -> None:
         check_vllm_version(vllm.__version__)
         super().initialize_from_config(kv_cache_config)
-        self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config))
+        self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config),
+                                   _policy.decode_from_vllm_config(self.vllm_config))
 
     def kvprune_stats(self) -> dict:
-        """Compactions done, requests held compressed and requests whose observation-window
-        queries are recorded while they prefill (``llm.collective_rpc``)."""
+        """Compactions done, requests held compressed, requests whose observation-window
+        queries are recorded while they prefill and while they decode (snapkv decode rule)
+        (``llm.collective_rpc``)."""
         return {"compactions": self.kvprune.compactions,
                 "evicted": dict(self.kvprune.evicted),
-                "recorded_windows": len(self.kvprune.window_queries)}
+                "recorded_windows": len(self.kvprune.window_queries),
+                "recorded_decode_windows": len(self.kvprune.decode_queries)}
