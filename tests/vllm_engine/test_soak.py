@@ -1,6 +1,6 @@
 """A bounded soak of kvprune_cuda.vllm in vLLM 0.32.0 (CPU): many requests through one small
-pool, with vLLM's defaults (chunked prefill, prefix caching), shared system prompts, aborts
-at random points and preemption.
+pool, with vLLM's defaults (chunked prefill, prefix caching), shared system prompts,
+decode-time compression of long answers, aborts at random points and preemption.
 
 Seeded and bounded (a fixed request count and step limit). It asserts: no exception; every
 request that finished without being preempted generated what it generates alone, one at a
@@ -23,12 +23,14 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda.vllm import _policy  # noqa: E402
 from test_engine import make_llm, hf_model, model_dir  # noqa: E402,F401  (fixtures)
 
 REQUESTS = 200
 MAX_MODEL_LEN = 1024
 POOL_BLOCKS = 32  # 1024 token slots, the least vLLM accepts (one max_model_len request)
 CHUNK = 128       # max_num_batched_tokens: chunked prefill with vLLM's default on
+DECODE = dict(decode="snapkv", max_held=128, interval=32)  # long answers compressed again
 
 
 PHASES = ("prefill chunk", "right after compression", "decode")
@@ -93,12 +95,14 @@ def _check_pool_and_state(llm, core):
     assert stats["evicted"] == {} and stats["recorded_windows"] == 0, stats
 
 
-def _hf_pinned(hf_model, prompt, max_tokens, held):
-    """kp.hf's greedy tokens with the first ``held.pinned`` prompt tokens kept whole (None:
-    nothing was left to evict, the full cache)."""
-    policy = "full" if held is None else "snapkv"
-    kept, pinned = (len(prompt), 0) if held is None else (held.kept, held.pinned)
-    with kp.hf.compress(hf_model, policy, budget=kept, n_sink=max(4, pinned), window=32):
+def _hf_pinned(hf_model, prompt, max_tokens, kept, pinned):
+    """kp.hf's greedy tokens with the first ``pinned`` prompt tokens kept whole and ``kept``
+    kept of the prompt (None: the prompt stays whole), under the same decode-time rule."""
+    policy = "full" if kept is None else "snapkv"
+    sinks = max(4, pinned)  # the engine's target keeps the pinned prefix and the window
+    decode = {**DECODE, "max_held": max(DECODE["max_held"], sinks + 32)}
+    with kp.hf.compress(hf_model, policy, budget=kept or 1.0, n_sink=sinks, window=32,
+                        **decode):
         gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
                                 min_new_tokens=max_tokens, do_sample=False)
     return gen[0, len(prompt):].tolist()
@@ -109,7 +113,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     work = _workload(rng)
     llm = make_llm(model_dir, max_num_batched_tokens=CHUNK, max_num_seqs=16,
                    num_gpu_blocks_override=POOL_BLOCKS + 1,
-                   **kp.vllm.engine_args("snapkv", 0.2))
+                   **kp.vllm.engine_args("snapkv", 0.2, **DECODE))
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     preempted: set = set()
@@ -124,10 +128,21 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
         return preempt(request, *args, **kwargs)
 
     core.scheduler._preempt_request = counting_preempt
+    plans: dict = {}  # id -> every (kept, pinned, held tokens) the scheduler decided for it
+    schedule = core.scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for internal, step in getattr(out, _policy.PLAN_ATTR).items():
+            r = engine.output_processor.request_states[internal].external_req_id
+            plans.setdefault(r, []).append(step)
+        return out
+
+    core.scheduler.schedule = recording_schedule
     # fault: a prompt of exactly max_model_len leaves no room to generate: vLLM refuses it
     with pytest.raises(Exception, match="maximum model length"):
         engine.add_request("too-long", {"prompt_token_ids": [1] * MAX_MODEL_LEN}, _params(1))
-    outputs, aborted, held, step = {}, {}, {}, 0
+    outputs, aborted, step = {}, {}, 0
     freed_before = core.scheduler.kvprune_freed_blocks
     pending = sorted(work, key=lambda r: work[r][2])
     while (pending or engine.has_unfinished_requests()) and step < 12000:
@@ -144,8 +159,6 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
         for out in engine.step():
             if out.finished and out.request_id not in aborted:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
-        for internal, h in core.scheduler.kvprune_held.items():
-            held[engine.output_processor.request_states[internal].external_req_id] = h
         step += 1
     assert not pending and not engine.has_unfinished_requests(), f"stuck after {step} steps"
     engine.step()  # one empty step delivers the last finished ids to the worker
@@ -153,15 +166,22 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     freed = core.scheduler.kvprune_freed_blocks - freed_before
     phases = {p: sum(1 for x in aborted.values() if x == p) for p in set(aborted.values())}
     policy = kp.vllm.engine_policy("snapkv", 0.2)
-    # finished requests that kept a shared prefix whole (compressed, or left dense because the
-    # rest was within the budget): alone, with nothing to share, they would keep other tokens
-    pinned = {r for r in outputs if r not in preempted and (
-        held[r].pinned if r in held else kp.vllm.kept_tokens(policy, len(work[r][0])))}
+    prompt_kept, pinned = {}, {}  # of finished requests that kept a shared prefix whole
+    for r in outputs:
+        steps, n = plans.get(r, []), len(work[r][0])
+        prompt_kept[r] = steps[0][0] if steps and steps[0][2] == n else None  # always first
+        p = max((p for _, p, _ in steps), default=0)
+        if r not in preempted and (p or not steps and kp.vllm.kept_tokens(policy, n)):
+            pinned[r] = p  # alone, with nothing to share, it would keep other tokens
+    decode_compressed = sum(len(plans.get(r, [])) - (prompt_kept[r] is not None)
+                            for r in outputs)
     print(f"\nsoak: {REQUESTS} requests in {step} steps, {len(outputs)} finished, "
           f"{len(aborted)} aborted {phases}, {len(preempted)} preempted "
           f"({len(preempted_compressed)} holding a compressed cache), {freed} blocks freed "
-          f"by compression, {len(pinned)} finished keeping a shared prefix whole, 0 leaked")
+          f"by compression, {decode_compressed} decode-time compressions of finished requests, "
+          f"{len(pinned)} finished keeping a shared prefix whole, 0 leaked")
     assert len(preempted_compressed) > 0 and freed > 0 and len(pinned) > 0
+    assert decode_compressed > 0
     assert all(phases.get(p) for p in ("waiting", *PHASES)), phases
     assert len(outputs) + len(aborted) == REQUESTS
     assert all(len(outputs[r]) == work[r][1] for r in outputs)
@@ -174,7 +194,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
         if r in preempted:
             continue
         if r in pinned:
-            if got != _hf_pinned(hf_model, work[r][0], work[r][1], held.get(r)):
+            if got != _hf_pinned(hf_model, work[r][0], work[r][1], prompt_kept[r], pinned[r]):
                 mismatched.append(r)
             continue
         assert engine.reset_prefix_cache()  # alone: nothing read from the cache either
