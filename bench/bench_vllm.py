@@ -5,6 +5,8 @@ fixed KV pool, dense and with kvprune_cuda.vllm's snapkv at several budgets.
 Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
 
     .venv-vllm/bin/python bench/bench_vllm.py            # table + bench/results/vllm_concurrency.{json,png}
+    .venv-vllm/bin/python bench/bench_vllm.py --decode snapkv --tokens 512 --gen 2048 \
+        --max-held 256 512 1024 --out bench/results/vllm_decode.json   # long generations
 
 Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct, bf16; ~``--tokens``-token
 prompts from Jane Austen with a 5-digit pass key at a random depth and the question at the
@@ -18,6 +20,10 @@ CPU_ATTN "vec" layout, nothing evicted); "vllm" (``--plain``) is vLLM untouched.
 Reported per setting: peak and time-weighted mean of running requests, generated tokens per
 second over the whole burst, time to first token (includes queueing; p50 / p99), time per
 output token after the first (p50 / p99 over requests), pass-key accuracy.
+
+``--decode POLICY``: long generations instead: the prompt stays whole (policy "full") and the
+decode-time rule compresses each request back to ``--max-held`` tokens every ``--interval``
+generated tokens (one setting per value), beside dense.
 """
 
 from __future__ import annotations
@@ -171,6 +177,10 @@ def main() -> None:
                     help="KV pool size, in dense requests (prompt + gen)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.2])
     ap.add_argument("--max-num-seqs", type=int, default=96)
+    ap.add_argument("--decode", choices=["streaming", "snapkv"],
+                    help="benchmark decode-time compression (long generations) instead")
+    ap.add_argument("--max-held", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--dtype", default="float32",
                     help="model and KV dtype (float32: bf16 runs ~6x slower on CPUs without "
                          "AVX-512 BF16)")
@@ -194,8 +204,13 @@ def main() -> None:
     settings = [("vllm", {})] if args.plain else []
     if not args.no_dense:
         settings += [("dense", kp.vllm.engine_args("full"))]
-    settings += [(f"snapkv {round(b * 100)} %", kp.vllm.engine_args("snapkv", b))
-                 for b in args.budgets]
+    if args.decode:
+        settings += [(f"{args.decode} held {m}",
+                      kp.vllm.engine_args("full", decode=args.decode, max_held=m,
+                                          interval=args.interval)) for m in args.max_held]
+    else:
+        settings += [(f"snapkv {round(b * 100)} %", kp.vllm.engine_args("snapkv", b))
+                     for b in args.budgets]
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
     meta = {**common.run_meta(), "vllm": vllm.__version__,
             "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),

@@ -30,7 +30,7 @@ REQUESTS = 200
 MAX_MODEL_LEN = 1024
 POOL_BLOCKS = 32  # 1024 token slots, the least vLLM accepts (one max_model_len request)
 CHUNK = 128       # max_num_batched_tokens: chunked prefill with vLLM's default on
-DECODE = dict(decode="snapkv", max_held=128, interval=32)  # long answers compressed again
+DECODE = dict(decode="snapkv", max_held=160, interval=32)  # long answers compressed again
 
 
 PHASES = ("prefill chunk", "right after compression", "decode")
@@ -52,7 +52,7 @@ def _workload(rng):
         n = max(n - len(system), 1)
         max_tokens = 1 if i % 17 == 0 else rng.randint(1, 48)
         if i % 3 == 0:  # long answers of compressed prompts fill the pool while decoding
-            n, max_tokens = rng.choice([301, 450, 600]), rng.randint(150, 300)
+            n, max_tokens = rng.choice([301, 450, 600]), rng.randint(100, 200)
         prompt = system + [rng.randrange(1, 512) for _ in range(n)]
         max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt))
         arrival = rng.randint(0, 20)
@@ -118,6 +118,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     core = engine.engine_core.engine_core
     preempted: set = set()
     preempted_compressed: set = set()  # preempted while holding a compressed cache
+    preempted_decode: set = set()      # ... after a decode-time compression
     preempt = core.scheduler._preempt_request
 
     def counting_preempt(request, *args, **kwargs):
@@ -125,6 +126,9 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
         preempted.add(r)
         if request.request_id in core.scheduler.kvprune_held:
             preempted_compressed.add(r)
+            steps = plans.get(r, [])
+            if len(steps) - (steps[0][2] == len(work[r][0])) > 0:
+                preempted_decode.add(r)  # compressed while decoding, then preempted
         return preempt(request, *args, **kwargs)
 
     core.scheduler._preempt_request = counting_preempt
@@ -177,7 +181,8 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
                             for r in outputs)
     print(f"\nsoak: {REQUESTS} requests in {step} steps, {len(outputs)} finished, "
           f"{len(aborted)} aborted {phases}, {len(preempted)} preempted "
-          f"({len(preempted_compressed)} holding a compressed cache), {freed} blocks freed "
+          f"({len(preempted_compressed)} holding a compressed cache, {len(preempted_decode)} "
+          f"after a decode-time compression), {freed} blocks freed "
           f"by compression, {decode_compressed} decode-time compressions of finished requests, "
           f"{len(pinned)} finished keeping a shared prefix whole, 0 leaked")
     assert len(preempted_compressed) > 0 and freed > 0 and len(pinned) > 0
