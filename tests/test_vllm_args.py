@@ -84,3 +84,14 @@ def test_unsupported_vllm_versions_are_refused():
     kp.vllm.check_vllm_version("0.32.0+cpu")
     with pytest.raises(RuntimeError, match="0.33.1"):
         kp.vllm.check_vllm_version("0.33.1")
+
+
+def test_the_decode_rule_reaches_the_engine_with_its_own_options():
+    args = kp.vllm.engine_args("full", decode="snapkv", max_held=64, interval=32,
+                               kernel_size=3, pool="avg", gqa="max")
+    cfg = type("Cfg", (), {"additional_config": args["additional_config"]})
+    rule = _policy.decode_from_vllm_config(cfg)
+    assert rule == kp.policy.make_decode("snapkv", 64, 32, kernel_size=3, pool="avg", gqa="max")
+    assert (rule.policy.kernel_size, rule.policy.pool, rule.policy.gqa) == (3, "avg", "max")
+    assert _policy.decode_from_vllm_config(
+        type("Cfg", (), {"additional_config": kp.vllm.engine_args()["additional_config"]})) is None

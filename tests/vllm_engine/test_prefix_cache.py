@@ -100,3 +100,18 @@ def test_shared_blocks_stay_shared_and_whole(model_dir, hf_model):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     del llm
     gc.collect()
+
+
+def test_a_shared_block_after_an_unshared_one_is_pinned_too():
+    """vLLM may hold two blocks under one hash, so another request can share a later block of
+    this one without the block before it: everything up to the last shared block is pinned."""
+    from types import SimpleNamespace
+
+    from kvprune_cuda.vllm.scheduler import Scheduler
+
+    blocks = lambda *refs: [SimpleNamespace(ref_cnt=r) for r in refs]  # noqa: E731
+    group = SimpleNamespace(block_size=BLOCK, req_to_blocks={})
+    fake = SimpleNamespace(_groups=lambda: [group])
+    for refs, pinned in (((2, 1, 2, 1), 3 * BLOCK), ((2, 2, 1), 2 * BLOCK), ((1, 1), 0), ((), 0)):
+        group.req_to_blocks["r"] = blocks(*refs)
+        assert Scheduler._shared_tokens(fake, "r") == pinned, refs

@@ -28,7 +28,8 @@ With ``decode=`` (:func:`engine_args`), a long generation is compressed again ev
 ``interval`` generated tokens once it holds more than ``max_held``, freeing blocks while it
 generates (:class:`kvprune_cuda.policy.DecodeRule`, the same rule as kp.hf's).
 
-Limits: a preempted request is recomputed dense (and not compressed again); CPU_ATTN stores K/V in its "vec" layout (the worker selects
+Limits: a request preempted after its first token is recomputed dense and not compressed
+again (one preempted during its prefill is compressed when its prompt completes); CPU_ATTN stores K/V in its "vec" layout (the worker selects
 it); speculative decoding is not supported.
 """
 

@@ -21,7 +21,8 @@ from kvprune_cuda import policy as policies
 
 POLICIES = ("full", "snapkv", "streaming")  # those the engine runs (kvzip, h2o: kp.hf only)
 CONFIG_KEY = "kvprune"  # the entry of vLLM's additional_config that holds the policy
-# The SchedulerOutput attribute with the step's compressions: {req_id: (kept, pinned)}.
+# The SchedulerOutput attribute with the step's compressions: {req_id: (kept, pinned, held)},
+# held: the tokens the request holds once the step's are written (the worker compacts those).
 PLAN_ATTR = "kvprune_compress"
 
 
@@ -38,9 +39,10 @@ def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
 
 def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRule"]) -> dict:
     """The ``additional_config`` entry that carries ``policy`` and ``decode`` to every process."""
-    rule = None if decode is None else {"decode": decode.policy.name,
-                                        "max_held": decode.max_held,
-                                        "interval": decode.interval}
+    rule = None
+    if decode is not None:
+        rule = {k: v for k, v in decode.policy.to_config().items() if k not in ("policy", "budget")}
+        rule.update(decode=decode.policy.name, max_held=decode.max_held, interval=decode.interval)
     return {**policy.to_config(), "decode": rule}
 
 
@@ -60,15 +62,9 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
 
 
 def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
-    """The decode-time rule in the engine's configuration (None: none), with the prompt
-    policy's options."""
+    """The decode-time rule in the engine's configuration (None: none)."""
     rule = _config(vllm_config).get("decode")
-    if rule is None:
-        return None
-    p = from_vllm_config(vllm_config)
-    options = {f: getattr(p, f) for f in ("n_sink", "window", "kernel_size", "pool", "gqa")
-               if hasattr(p, f)}
-    return policies.make_decode(**rule, **options)
+    return None if rule is None else policies.make_decode(**rule)
 
 
 def kept_tokens(policy: "policies.Policy", prompt_len: int, pinned: int = 0) -> Optional[int]:

@@ -114,11 +114,13 @@ class Scheduler(_VllmScheduler):
         return self.kv_cache_manager.coordinator.single_type_managers
 
     def _shared_tokens(self, req_id: str) -> int:
-        """Tokens in the request's leading blocks that another request holds too."""
+        """Tokens up to the end of the request's last block that another request holds too
+        (not only a leading run: vLLM may hold two blocks under one hash, so a request can
+        share a later block of this one without the block before it)."""
         shared = 0
         for group in self._groups():
             blocks = group.req_to_blocks.get(req_id, ())
-            n = next((i for i, b in enumerate(blocks) if b.ref_cnt < 2), len(blocks))
+            n = next((len(blocks) - i for i, b in enumerate(reversed(blocks)) if b.ref_cnt > 1), 0)
             shared = max(shared, n * group.block_size)
         return shared
 

@@ -3,7 +3,7 @@
 :class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
 
 1. ``_prepare_inputs`` (wrapped): reads the step's compressions that the scheduler put on
-   its output (``_policy.PLAN_ATTR``: kept and pinned tokens per request), notes the rows
+   its output (``_policy.PLAN_ATTR``: kept, pinned and held tokens per request), notes the rows
    of earlier prefill chunks whose queries are recorded
    (:func:`~kvprune_cuda.vllm._policy.records`), and, for requests compressed in an earlier
    step, makes attention see the compacted cache: their ``seq_lens`` shrink by the evicted
