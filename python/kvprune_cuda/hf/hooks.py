@@ -58,13 +58,9 @@ class KVCompressor:
                  max_held: Optional[int] = None, interval: Optional[int] = None) -> None:
         self.policy = policies.make(policy, budget=budget, n_sink=n_sink, window=window,
                                     kernel_size=kernel_size, pool=pool, gqa=gqa)
-        options = {f: getattr(self.policy, f) for f in
-                   ("n_sink", "window", "kernel_size", "pool", "gqa") if hasattr(self.policy, f)}
-        self.decode = policies.make_decode(decode, max_held, interval,
-                                           **{**options, **{k: v for k, v in dict(
-                                               n_sink=n_sink, window=window,
-                                               kernel_size=kernel_size, pool=pool,
-                                               gqa=gqa).items() if v is not None}})
+        given = dict(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa)
+        self.decode = policies.make_decode(  # the prompt policy's options, else those given
+            decode, max_held, interval, **{f: getattr(self.policy, f, v) for f, v in given.items()})
         if self.decode is not None and self.policy.fixed_capacity:
             raise ValueError(f"decode: the prompt policy {self.policy.name!r} already holds a "
                              "fixed-capacity ring while decoding; use it with 'snapkv' or "
@@ -248,14 +244,13 @@ class KVCompressor:
         if generated < 1:
             return
         p = rule.policy
+        k, v = cache_kv(cache, i)
         if p.observed_queries(q_len):
             cos, sin = kwargs["position_embeddings"]
-            k = cache_kv(cache, i)[0]
             n = min(q_len, p.window)
             qn = scoring.post_rope_queries(module, hs[:, q_len - n:], cos[:, q_len - n:],
                                            sin[:, q_len - n:]).to(k.dtype)
             scoring.record_queries(st, qn, p.window)
-        k, v = cache_kv(cache, i)
         kept = rule.compresses(generated, q_len, k.shape[2])
         if kept is None:
             return
