@@ -246,7 +246,7 @@ def make(policy: Union[str, Policy], **options) -> Policy:
     return cls(**{**base, **{k: v for k, v in options.items() if k in names}})
 
 
-DECODE_POLICIES = ("streaming", "snapkv")  # h2o: per-step accumulation, not written yet
+DECODE_POLICIES = ("streaming", "snapkv", "h2o")
 
 
 @dataclass(frozen=True)
@@ -259,8 +259,12 @@ class DecodeRule:
     ``policy``'s selection over the held tokens: ``"streaming"`` keeps the sinks and the most
     recent tokens; ``"snapkv"`` scores every held key by the last ``window`` decode queries
     (SnapKV voting over the request's own recent decode queries, pooled) and keeps the sinks,
-    the last ``window`` tokens and the top scores. Positions are never changed (kept keys
-    keep their rotation). ``policy.budget`` is ``max_held``.
+    the last ``window`` tokens and the top scores; ``"h2o"`` keeps the sinks, the last
+    ``window`` tokens and the held keys with the largest accumulated attention
+    (:meth:`accumulate`: every decode query's probabilities, from the forward of the first
+    generated token on; the prompt's queries do not count, so the rule is the same after any
+    prompt policy). Positions are never changed (kept keys keep their rotation).
+    ``policy.budget`` is ``max_held``.
     """
 
     policy: Policy
@@ -278,6 +282,23 @@ class DecodeRule:
     def max_held(self) -> int:
         return self.policy.budget
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether every decode forward adds to the held keys' scores (h2o), rather than
+        the last ``window`` decode queries voting at compression time (snapkv)."""
+        return isinstance(self.policy, H2O)
+
+    def accumulate(self, scores: Optional[torch.Tensor], queries: torch.Tensor,
+                   keys: torch.Tensor, *, scale: Optional[float] = None) -> torch.Tensor:
+        """h2o: ``scores`` (fp32 [B, Hkv, M], the held keys' sums so far; None: none yet) plus
+        the attention probabilities of a decode forward's post-RoPE ``queries``
+        [B, Hq, q, D] (the last q positions, causal) over the held ``keys`` [B, Hkv, N, D]
+        (N >= M; the new keys start at 0): fp32 [B, Hkv, N]."""
+        new = self.policy.score(queries, keys, scale=scale)
+        if scores is not None:
+            new[..., : scores.shape[-1]] += scores
+        return new
+
     def target(self, pinned: int = 0) -> int:
         """Tokens held after a compression, the first ``pinned`` (sinks at least) kept whole."""
         return max(self.max_held, max(self.policy.n_sink, pinned) + self.policy.window)
@@ -294,7 +315,7 @@ class DecodeRule:
 
 def make_decode(decode: Optional[str], max_held: Optional[int], interval: Optional[int],
                 **options) -> Optional[DecodeRule]:
-    """The :class:`DecodeRule` ``decode`` ("streaming" | "snapkv"; None: no decode-time
+    """The :class:`DecodeRule` ``decode`` ("streaming" | "snapkv" | "h2o"; None: no decode-time
     compression) that compresses to ``max_held`` tokens every ``interval`` generated tokens,
     with the policy ``options`` (n_sink, window, kernel_size, pool, gqa)."""
     if decode is None:

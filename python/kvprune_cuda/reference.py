@@ -514,3 +514,65 @@ def periodic_decode(
             held = sorted(pick(held, target))
             events.append((g, before, len(held)))
     return held, events
+
+
+def periodic_h2o_decode(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    held: list[int],
+    *,
+    max_held: int,
+    interval: int,
+    n_sink: int = 4,
+    window: int = 32,
+    scale: Optional[float] = None,
+    gqa: str = "mean",
+) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """Periodic decode-time H2O of one sequence, one generated token per step.
+
+    `queries` [Hq, T, D] and `keys` [Hkv, T, D] are the post-RoPE queries and keys of every
+    position 0..T-1; `held`: the positions the cache holds after the prompt (every KV head
+    the same; its last is the prompt's last). Decode step g = 1..T-1-held[-1] writes
+    position p = held[-1] + g; its query's softmax over the KV head's held keys (p included)
+    adds to each held key's score, the group's query heads combined by `gqa`; the prompt's
+    queries add nothing. After step g, when g is a multiple of `interval` and more than
+    `target = max(max_held, n_sink + window)` positions are held, each KV head keeps its
+    first `n_sink` and last `window` held positions and the highest-scored others (equal
+    scores: the lower position), `target` in all; scores stay with their positions.
+    Returns the held positions per KV head and one (g, held before, held after) per
+    compression.
+    """
+    q_heads, length, head_dim = queries.shape
+    kv_heads = keys.shape[0]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    target = max(max_held, n_sink + window)
+    per_head = [list(held) for _ in range(kv_heads)]
+    score = [dict.fromkeys(held, 0.0) for _ in range(kv_heads)]
+    events = []
+    for g, p in enumerate(range(held[-1] + 1, length), start=1):
+        for kv in range(kv_heads):
+            per_head[kv].append(p)
+            score[kv][p] = 0.0
+            positions = per_head[kv]
+            probs = []
+            for h in range(kv * group, (kv + 1) * group):
+                logits = keys[kv, positions].double() @ queries[h, p].double() * scale
+                probs.append(torch.softmax(logits, dim=0))
+            stacked = torch.stack(probs)
+            added = (stacked.amax(0) if gqa == "max" else
+                     stacked.mean(0) if gqa == "mean" else stacked.sum(0))
+            for pos, a in zip(positions, added.tolist()):
+                score[kv][pos] += a
+        if g % interval == 0 and len(per_head[0]) > target:
+            before = len(per_head[0])
+            for kv in range(kv_heads):
+                positions = per_head[kv]
+                middle = positions[n_sink : len(positions) - window]
+                best = sorted(middle, key=lambda pos: (-score[kv][pos], pos))
+                kept = set(positions[:n_sink] + positions[len(positions) - window :]
+                           + best[: target - n_sink - window])
+                per_head[kv] = [pos for pos in positions if pos in kept]
+                score[kv] = {pos: score[kv][pos] for pos in per_head[kv]}
+            events.append((g, before, target))
+    return per_head, events

@@ -38,7 +38,7 @@ def expected_freed(policy, prompt_lens):
 
 
 @pytest.mark.parametrize("prefill, decode", [("snapkv", "streaming"), ("snapkv", "snapkv"),
-                                             ("full", "snapkv")])
+                                             ("full", "snapkv"), ("snapkv", "h2o")])
 def test_decode_compression_frees_blocks_and_matches_kp_hf(model_dir, hf_model, prompts,
                                                            prefill, decode):
     rule = dict(decode=decode, max_held=MAX_HELD, interval=INTERVAL)
@@ -56,7 +56,7 @@ def test_decode_compression_frees_blocks_and_matches_kp_hf(model_dir, hf_model, 
     del llm
     gc.collect()
     assert freed == expected_freed(prefill, [len(p) for p in prompts])
-    assert stats["evicted"] == {} and stats["recorded_decode_windows"] == 0
+    assert stats["evicted"] == {} and stats["decode_evidence"] == 0
     def hf(p, **decode):
         with kp.hf.compress(hf_model, prefill, BUDGET, **decode):
             gen = hf_model.generate(torch.tensor([p]), max_new_tokens=GEN, do_sample=False)
@@ -67,7 +67,7 @@ def test_decode_compression_frees_blocks_and_matches_kp_hf(model_dir, hf_model, 
 
 
 def test_bad_decode_arguments_are_named():
-    for kwargs, name in (({"decode": "h2o", "max_held": 64, "interval": 32}, "decode"),
+    for kwargs, name in (({"decode": "ring", "max_held": 64, "interval": 32}, "decode"),
                          ({"decode": "snapkv", "max_held": 10, "interval": 32}, "max_held"),
                          ({"decode": "snapkv", "max_held": 64, "interval": 16}, "interval"),
                          ({"decode": "streaming", "max_held": 64}, "interval"),

@@ -14,7 +14,8 @@ and multi-token forwards on a compressed cache stay exact; a fixed-capacity laye
 h2o) fills its own. With a decode-time rule (``decode=``,
 :class:`~kvprune_cuda.policy.DecodeRule`) a layer is compressed again after the decode
 forwards the rule picks (every ``interval`` generated tokens, once it holds more than
-``max_held``), snapkv voting with the last ``window`` decode queries. Only ``DynamicCache``
+``max_held``), snapkv voting with the last ``window`` decode queries, h2o by each held
+key's attention summed over the decode forwards. Only ``DynamicCache``
 (the default) with eager or SDPA attention is supported.
 """
 
@@ -236,21 +237,26 @@ class KVCompressor:
 
     def _decode_step(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
         """The decode-time rule after a forward past the prompt: records the decode queries
-        snapkv votes with and compresses the layer when the rule says so."""
+        snapkv votes with (h2o: adds their attention to the held keys' sums, ``st.h2o``)
+        and compresses the layer when the rule says so."""
         rule, q_len = self.decode, hs.shape[1]
         if rule is None or self.prompt_len is None:
             return
         generated = self.seen + q_len - self.prompt_len
         if generated < 1:
             return
-        p = rule.policy
+        p, scale = rule.policy, getattr(module, "scaling", None)
         k, v = cache_kv(cache, i)
-        if p.observed_queries(q_len):
+        n = p.observed_queries(q_len)  # snapkv: its window; h2o: every query
+        if n:
             cos, sin = kwargs["position_embeddings"]
-            n = min(q_len, p.window)
             qn = scoring.post_rope_queries(module, hs[:, q_len - n:], cos[:, q_len - n:],
                                            sin[:, q_len - n:]).to(k.dtype)
-            scoring.record_queries(st, qn, p.window)
+            if rule.accumulates:  # h2o: from the first generated token on (st.h2o restarts)
+                past = st.h2o if generated > q_len else None
+                st.h2o = rule.accumulate(past, qn, k, scale=scale)
+            else:
+                scoring.record_queries(st, qn, p.window)
         kept = rule.compresses(generated, q_len, k.shape[2])
         if kept is None:
             return
@@ -258,10 +264,12 @@ class KVCompressor:
                 st.slot_valid is not None and not bool(st.slot_valid.all())):
             raise ValueError("attention_mask: decode-time compression needs rows without "
                              "padding and one token count per layer")
-        scores = p.score(st.queries, k, scale=getattr(module, "scaling", None))
+        scores = st.h2o if rule.accumulates else p.score(st.queries, k, scale=scale)
         idx = kp.select_keep(scores, kept, n_sink=p.n_sink, window=p.window)
         kk, vv = kp.gather_kv(k, v, idx)
         set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
+        if rule.accumulates:  # the kept keys keep their sums
+            st.h2o = st.h2o.gather(2, idx.long())
         st.slot_valid, st.layout = idx >= 0, scoring.MASKED
         self.compressed_len = kept
 
@@ -356,7 +364,7 @@ def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, 
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o"; see
-    :mod:`kvprune_cuda.policy`), and with ``decode`` ("streaming" | "snapkv") again every
+    :mod:`kvprune_cuda.policy`), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
     ``interval`` generated tokens once it holds more than ``max_held``
     (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
     (``prompt_len``, ``compressed_len``, ``nbytes``)."""

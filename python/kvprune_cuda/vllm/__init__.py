@@ -62,8 +62,8 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
     into the result; do not override the ones it sets. vLLM's defaults stand (chunked
     prefill and prefix caching on).
 
-    ``decode`` ("streaming" | "snapkv"), ``max_held``, ``interval``: decode-time compression
-    (:class:`kvprune_cuda.policy.DecodeRule`): every ``interval`` generated tokens (a
+    ``decode`` ("streaming" | "snapkv" | "h2o"), ``max_held``, ``interval``: decode-time
+    compression (:class:`kvprune_cuda.policy.DecodeRule`): every ``interval`` generated tokens (a
     multiple of the engine's block size), a request holding more than ``max_held`` tokens is
     compressed back to ``max_held`` and its emptied blocks are freed; the same options."""
     p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,

@@ -19,7 +19,10 @@
    (``kp.select_keep``, the pinned prefix kept whole) and compacts the kept tokens of the
    blocks past the pinned prefix in vLLM's cache
    (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`); the pinned blocks, which another
-   request may share, are never written.
+   request may share, are never written. Under a decode-time rule a decoding row feeds its
+   evidence every step (snapkv: a ring of its last ``window`` queries; h2o: its query's
+   attention added to the held keys' sums) and a row the scheduler picks is compressed the
+   same way, selecting by that evidence.
 3. ``execute_model`` (wrapped): after the step, drops the freed blocks from the
    compressed rows' block tables; the scheduler returns the same blocks to its pool.
 """
@@ -35,6 +38,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
+import kvprune_cuda as kp
 from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._select import kept_indices
@@ -65,8 +69,10 @@ class RunnerHooks:
         self.plan: list[_Row] = []         # rows compressed by the step now running
         self.recording: list[_Row] = []     # rows of earlier prefill chunks (kept: unused)
         self.window_queries: dict[str, list] = {}   # req_id -> per layer [<=W, Hq, D]
-        self.decode_queries: dict[str, list] = {}   # req_id -> per layer ring [W, Hq, D], count
-        self.decoding: list[_Row] = []     # rows whose decode queries are recorded
+        # req_id -> per layer: snapkv rule, a ring of decode queries ([W, Hq, D], count);
+        # h2o rule, the held keys' attention sums (fp32 [1, Hkv, held])
+        self.decode_evidence: dict[str, list] = {}
+        self.decoding: list[_Row] = []     # rows whose decode queries the rule observes
         self.compactions = 0               # (layer, request) compactions done
         self._select_strided_isa()
         prepare, execute = runner._prepare_inputs, runner.execute_model
@@ -98,7 +104,7 @@ class RunnerHooks:
         num_reqs = batch.num_reqs
         compress = getattr(scheduler_output, _policy.PLAN_ATTR, {})
         self.plan, self.recording, self.decoding = [], [], []
-        snapkv_decode = self.decode is not None and self.decode.policy.observed_queries(1) > 0
+        observes = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             prompt_len = int(batch.num_prompt_tokens[row])
             computed = int(batch.num_computed_tokens_cpu[row])
@@ -114,8 +120,9 @@ class RunnerHooks:
                                       computed + scheduled))
             elif _policy.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
-            if decoding and snapkv_decode:
-                self.decoding.append(_Row(req_id, row, prompt_len))
+            if decoding and observes:
+                held = computed + scheduled - self.evicted.get(req_id, 0)
+                self.decoding.append(_Row(req_id, row, prompt_len, tokens=held))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -147,31 +154,56 @@ class RunnerHooks:
         rows = lambda row: query[qsl[row.row]:qsl[row.row + 1]]  # noqa: E731
         for row in self.recording:
             self._window(row, layer, rows(row))
+        blocks = lambda row: meta.block_table[  # noqa: E731
+            row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
+        keys = {}  # req_id -> [tokens, Hkv, D], read once per layer and request
         for row in self.decoding:
-            self._decode_window(row.req_id, layer, rows(row))
+            if self.decode.accumulates:
+                keys[row.req_id] = request_keys(module.kv_cache, blocks(row), row.tokens)
+                self._accumulate(row.req_id, layer, rows(row), keys[row.req_id],
+                                 module.impl.scale)
+            else:
+                self._decode_window(row.req_id, layer, rows(row))
         for row in self.plan:
             if row.decode:
                 policy = self.decode.policy
-                queries = (self._decode_window(row.req_id, layer) if self.decoding
-                           else rows(row)[:0])  # streaming observes no query
+                queries = (self._decode_window(row.req_id, layer)
+                           if policy.observed_queries(1) and not self.decode.accumulates
+                           else rows(row)[:0])  # streaming, h2o: no query at selection
             else:
                 policy, queries = self.policy, self._window(row, layer, rows(row))
-            n_blocks = -(-row.tokens // self.block_size)
-            blocks = meta.block_table[row.row, :n_blocks].to(torch.int32).contiguous()
-            keys = request_keys(module.kv_cache, blocks, row.tokens)  # [tokens, Hkv, D]
+            row_blocks = blocks(row)
+            k = keys.get(row.req_id)
+            k = request_keys(module.kv_cache, row_blocks, row.tokens) if k is None else k
             policy = _policy.with_pinned(policy, row.kept, row.pinned)
-            idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
+            if row.decode and self.decode.accumulates:
+                evidence = self.decode_evidence[row.req_id]
+                idx = kp.select_keep(evidence[layer], row.kept, n_sink=policy.n_sink,
+                                     window=policy.window)
+                evidence[layer] = evidence[layer].gather(2, idx.long())  # kept keys' sums
+            else:
+                idx = kept_indices(policy, queries, k, row.kept, module.impl.scale)
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
-            compact_request(module.kv_cache, blocks[None, first:], row.tokens - row.pinned,
+            compact_request(module.kv_cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
             self.compactions += 1
         return output
+
+    def _accumulate(self, req_id: str, layer: int, query: torch.Tensor, keys: torch.Tensor,
+                    scale: float) -> None:
+        """h2o rule: adds this step's decode ``query`` [1, Hq, D] attention over the request's
+        held ``keys`` [tokens, Hkv, D] (its own included) to the held keys' sums."""
+        per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
+        q = query.transpose(0, 1).unsqueeze(0)                # [1, Hq, 1, D]
+        k = keys.transpose(0, 1).unsqueeze(0).contiguous()   # [1, Hkv, tokens, D]
+        per_layer[layer] = self.decode.accumulate(per_layer[layer], q.contiguous(), k,
+                                                  scale=scale)
 
     def _decode_window(self, req_id: str, layer: int, query=None) -> torch.Tensor:
         """The request's last ``window`` decode queries of ``layer`` in order ([<= W, Hq, D]),
         after appending ``query`` ([1, Hq, D], this step's) to its ring."""
         w = self.decode.policy.window
-        per_layer = self.decode_queries.setdefault(req_id, [None] * len(self.layers))
+        per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
         if query is not None:
             if per_layer[layer] is None:
                 per_layer[layer] = [query.new_empty((w,) + tuple(query.shape[1:])), 0]
@@ -203,7 +235,7 @@ class RunnerHooks:
         for req_id in gone:
             self.evicted.pop(req_id, None)
             self.window_queries.pop(req_id, None)
-            self.decode_queries.pop(req_id, None)
+            self.decode_evidence.pop(req_id, None)
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
         self._forget(scheduler_output)
@@ -245,9 +277,9 @@ class CPUWorker(_VllmCPUWorker):
 
     def kvprune_stats(self) -> dict:
         """Compactions done, requests held compressed, requests whose observation-window
-        queries are recorded while they prefill and while they decode (snapkv decode rule)
-        (``llm.collective_rpc``)."""
+        queries are recorded while they prefill, and requests with decode-rule evidence
+        (snapkv: recent decode queries; h2o: attention sums) (``llm.collective_rpc``)."""
         return {"compactions": self.kvprune.compactions,
                 "evicted": dict(self.kvprune.evicted),
                 "recorded_windows": len(self.kvprune.window_queries),
-                "recorded_decode_windows": len(self.kvprune.decode_queries)}
+                "decode_evidence": len(self.kvprune.decode_evidence)}
