@@ -69,6 +69,9 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
                    **engine_kwargs)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
+    preemptions = []  # one entry per preemption (vLLM recomputes the request later)
+    preempt = scheduler._preempt_request
+    scheduler._preempt_request = lambda *a, **kw: (preemptions.append(1), preempt(*a, **kw))[1]
     params = vllm.SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
     t0 = time.perf_counter()
     for i, (ids, _) in enumerate(reqs):
@@ -80,6 +83,9 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
         now = time.perf_counter() - t0
         timeline.append((now, len(scheduler.running), len(scheduler.waiting),
                          scheduler.kv_cache_manager.usage))
+        if len(timeline) % 256 == 0:
+            bar.set_postfix_str(f"step {len(timeline)}, {now / len(timeline):.2f} s/step, "
+                                f"{len(scheduler.running)} running", refresh=True)
         for o in outs:
             if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
                 first[o.request_id] = now
@@ -100,6 +106,7 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
                    in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline))
     return {
         "setting": name, "pool_blocks": pool, "freed_blocks": freed,
+        "preemptions": len(preemptions),
         "peak_running": max(r for _, r, _, _ in timeline),
         "mean_running": weighted / makespan,
         "makespan_s": makespan, "gen_tok_per_s": len(reqs) * args.gen / makespan,
@@ -153,8 +160,8 @@ def table(results, meta):
              f"(= {meta['pool_requests']} dense requests)", "",
              "| setting | peak running | mean running | x dense (peak) | gen tok/s | "
              "x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | makespan (s) | blocks freed "
-             "| pass key |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| preemptions | pass key |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['setting']} | {r['peak_running']} | {r['mean_running']:.1f} | "
@@ -163,7 +170,7 @@ def table(results, meta):
             f"{ratio(r['gen_tok_per_s'], dense and dense['gen_tok_per_s'])} | "
             f"{r['ttft_p50_s']:.0f} / {r['ttft_p99_s']:.0f} | {r['tpot_p50_s']:.2f} / "
             f"{r['tpot_p99_s']:.2f} | {r['makespan_s']:.0f} | {r['freed_blocks'] or 0} | "
-            f"{r['hits']}/{r['n']} |")
+            f"{r['preemptions']} | {r['hits']}/{r['n']} |")
     return "\n".join(lines)
 
 
@@ -177,7 +184,7 @@ def main() -> None:
                     help="KV pool size, in dense requests (prompt + gen)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.2])
     ap.add_argument("--max-num-seqs", type=int, default=96)
-    ap.add_argument("--decode", choices=["streaming", "snapkv"],
+    ap.add_argument("--decode", choices=["streaming", "snapkv", "h2o"],
                     help="benchmark decode-time compression (long generations) instead")
     ap.add_argument("--max-held", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--interval", type=int, default=64)

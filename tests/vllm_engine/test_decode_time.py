@@ -80,3 +80,57 @@ def test_interval_must_free_whole_blocks(model_dir):
     with pytest.raises(Exception, match="interval"):
         make_llm(model_dir, **kp.vllm.engine_args("snapkv", BUDGET, decode="streaming",
                                                   max_held=64, interval=40))
+
+
+def test_preempted_after_decode_compression_is_compressed_back(model_dir):
+    """A low-priority request, decode-compressed, is preempted when a long high-priority
+    prompt needs its blocks; resumed, it is recomputed dense and the rule compresses it back
+    in the step that completes the recompute. No block is lost, no state is left."""
+    llm = make_llm(model_dir, num_gpu_blocks_override=33, scheduling_policy="priority",
+                   **kp.vllm.engine_args("full", decode="snapkv", max_held=MAX_HELD,
+                                         interval=INTERVAL))
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    plans, preempted, schedule, preempt = [], [], scheduler.schedule, scheduler._preempt_request
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        plans.extend((r, *step) for r, step in getattr(out, "kvprune_compress").items())
+        return out
+
+    def recording_preempt(request, *args, **kwargs):
+        preempted.append((request.request_id, request.request_id in scheduler.kvprune_held))
+        return preempt(request, *args, **kwargs)
+
+    scheduler.schedule, scheduler._preempt_request = recording_schedule, recording_preempt
+    g = torch.Generator().manual_seed(3)
+    prompt = lambda n: torch.randint(0, 512, (n,), generator=g).tolist()  # noqa: E731
+    params = lambda n: vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,  # noqa: E731
+                                           detokenize=False)
+    engine.add_request("victim", {"prompt_token_ids": prompt(100)}, params(200), priority=1)
+    outputs = {}
+    for step in range(2000):
+        if step == 40:  # the victim was compressed at 32 generated tokens
+            engine.add_request("long", {"prompt_token_ids": prompt(900)}, params(100))
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = len(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    engine.step()
+    stats = llm.collective_rpc("kvprune_stats")[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    assert outputs == {"victim": 200, "long": 100}
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert stats["evicted"] == {} and stats["decode_evidence"] == 0
+    assert not scheduler.kvprune_held and not scheduler.requests
+    del llm
+    gc.collect()
+    victims = [r for r, compressed in preempted if compressed]
+    assert victims, f"no decode-compressed request was preempted: {preempted}"
+    steps = [p for p in plans if p[0] == victims[0]]
+    # before: 100 + 32 -> 64; after the resume, one compression of the dense recompute
+    # (100 prompt tokens + every generated token so far) back to 64, then every 32 as before
+    assert steps[0][1:] == (MAX_HELD, 0, 100 + INTERVAL)
+    resumed = [s for s in steps if s[3] > 100 + 2 * INTERVAL]
+    assert resumed and resumed[0][1] == MAX_HELD, steps

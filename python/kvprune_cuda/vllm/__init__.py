@@ -28,9 +28,11 @@ With ``decode=`` (:func:`engine_args`), a long generation is compressed again ev
 ``interval`` generated tokens once it holds more than ``max_held``, freeing blocks while it
 generates (:class:`kvprune_cuda.policy.DecodeRule`, the same rule as kp.hf's).
 
-Limits: a request preempted after its first token is recomputed dense and not compressed
-again (one preempted during its prefill is compressed when its prompt completes); CPU_ATTN stores K/V in its "vec" layout (the worker selects
-it); speculative decoding is not supported.
+Limits: a request preempted after its first token is recomputed dense and its prompt is not
+compressed again (one preempted during its prefill is compressed when its prompt completes);
+a decode-time rule compresses it back in the step that completes its recompute. CPU_ATTN
+stores K/V in its "vec" layout (the worker selects it); speculative decoding is not
+supported.
 """
 
 from __future__ import annotations

@@ -94,16 +94,30 @@ def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
     return kept_tokens(policy, prompt_len, pinned)
 
 
+def decode_positions(num_computed: int, num_scheduled: int, prompt_len: int,
+                     num_output: int) -> int:
+    """How many of a step's ``num_scheduled`` tokens (from position ``num_computed``) are
+    generated tokens past the prompt: 1 for a decode step; for the recompute of a request
+    resumed after preemption (prompt and outputs in one prefill, maybe chunked), those of its
+    chunk past the prompt; 0 for a prompt's own prefill."""
+    if not num_output:
+        return 0
+    return max(0, num_computed + num_scheduled - max(num_computed, prompt_len))
+
+
 def decode_compresses(rule: Optional["policies.DecodeRule"], num_computed: int,
                       num_scheduled: int, prompt_len: int, num_output: int, held: int,
                       pinned: int = 0) -> Optional[int]:
-    """Tokens kept by a decoding request whose step computes ``num_scheduled`` tokens from
-    position ``num_computed`` and then holds ``held`` tokens (the first ``pinned`` whole):
-    ``rule`` counts the generated tokens from the prompt's end. None: no compression."""
-    if rule is None or not num_output or num_computed < prompt_len:
+    """Tokens kept by a request past its prompt whose step computes ``num_scheduled`` tokens
+    from position ``num_computed`` and then holds ``held`` tokens (the first ``pinned``
+    whole): ``rule`` counts the generated tokens from the prompt's end and sees the step's
+    :func:`decode_positions` as one forward (a resumed request is compressed back in the step
+    that completes its recompute, if that crossed a multiple of ``interval``). None: no
+    compression."""
+    q_len = decode_positions(num_computed, num_scheduled, prompt_len, num_output)
+    if rule is None or not q_len:
         return None
-    return rule.compresses(num_computed + num_scheduled - prompt_len, num_scheduled, held,
-                           pinned)
+    return rule.compresses(num_computed + num_scheduled - prompt_len, q_len, held, pinned)
 
 
 def records(policy: "policies.Policy", num_computed: int, num_scheduled: int,

@@ -13,7 +13,8 @@
 * with a decode-time rule (``engine_args(decode=...)``), a decoding request is compressed
   again, the same way, in the steps that :func:`~kvprune_cuda.vllm._policy.decode_compresses`
   picks (every ``interval`` generated tokens, once it holds more than ``max_held``); a
-  request that was preempted is not;
+  request resumed after preemption (recomputed dense) is compressed back in the step that
+  completes its recompute, then as before;
 * after such a step, the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the workers have compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
@@ -22,7 +23,8 @@
   original positions and every stop criterion (max_tokens, max_model_len) is unchanged.
 
 A preempted request frees all its blocks as usual and is recomputed in full (prompt and
-outputs, which is not a prompt-only step, so it stays uncompressed).
+outputs, which is not a prompt-only step, so its prompt stays uncompressed; a decode-time
+rule compresses it again).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class Scheduler(_VllmScheduler):
             kept = _policy.compresses(self.kvprune_policy, num_computed, scheduled,
                                       request.num_prompt_tokens, request.num_output_tokens,
                                       pinned)
-            if kept is None and not request.num_preemptions:
+            if kept is None:
                 kept = _policy.decode_compresses(self.kvprune_decode, num_computed, scheduled,
                                                  request.num_prompt_tokens,
                                                  request.num_output_tokens, tokens, pinned)

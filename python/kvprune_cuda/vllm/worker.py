@@ -110,7 +110,8 @@ class RunnerHooks:
             computed = int(batch.num_computed_tokens_cpu[row])
             scheduled = scheduler_output.num_scheduled_tokens[req_id]
             generated = len(self.runner.requests[req_id].output_token_ids)
-            decoding = generated > 0 and computed >= prompt_len
+            new = _policy.decode_positions(computed, scheduled, prompt_len, generated)
+            decoding = new > 0
             if req_id in compress:
                 kept, pinned, tokens = compress[req_id]
                 if pinned % self.block_size:
@@ -120,9 +121,9 @@ class RunnerHooks:
                                       computed + scheduled))
             elif _policy.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
-            if decoding and observes:
+            if decoding and observes:  # kept: the step's queries past the prompt
                 held = computed + scheduled - self.evicted.get(req_id, 0)
-                self.decoding.append(_Row(req_id, row, prompt_len, tokens=held))
+                self.decoding.append(_Row(req_id, row, prompt_len, kept=new, tokens=held))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -158,12 +159,13 @@ class RunnerHooks:
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
         keys = {}  # req_id -> [tokens, Hkv, D], read once per layer and request
         for row in self.decoding:
+            past_prompt = rows(row)[-row.kept:]  # the step's queries past the prompt
             if self.decode.accumulates:
                 keys[row.req_id] = request_keys(module.kv_cache, blocks(row), row.tokens)
-                self._accumulate(row.req_id, layer, rows(row), keys[row.req_id],
+                self._accumulate(row.req_id, layer, past_prompt, keys[row.req_id],
                                  module.impl.scale)
             else:
-                self._decode_window(row.req_id, layer, rows(row))
+                self._decode_window(row.req_id, layer, past_prompt)
         for row in self.plan:
             if row.decode:
                 policy = self.decode.policy
@@ -191,25 +193,27 @@ class RunnerHooks:
 
     def _accumulate(self, req_id: str, layer: int, query: torch.Tensor, keys: torch.Tensor,
                     scale: float) -> None:
-        """h2o rule: adds this step's decode ``query`` [1, Hq, D] attention over the request's
-        held ``keys`` [tokens, Hkv, D] (its own included) to the held keys' sums."""
+        """h2o rule: adds the attention of this step's decode queries ``query`` [q, Hq, D] (the
+        last q positions) over the request's held ``keys`` [tokens, Hkv, D] (theirs
+        included) to the held keys' sums."""
         per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
-        q = query.transpose(0, 1).unsqueeze(0)                # [1, Hq, 1, D]
+        q = query.transpose(0, 1).unsqueeze(0)                # [1, Hq, q, D]
         k = keys.transpose(0, 1).unsqueeze(0).contiguous()   # [1, Hkv, tokens, D]
         per_layer[layer] = self.decode.accumulate(per_layer[layer], q.contiguous(), k,
                                                   scale=scale)
 
     def _decode_window(self, req_id: str, layer: int, query=None) -> torch.Tensor:
         """The request's last ``window`` decode queries of ``layer`` in order ([<= W, Hq, D]),
-        after appending ``query`` ([1, Hq, D], this step's) to its ring."""
+        after appending ``query`` ([q, Hq, D], this step's past the prompt) to its ring."""
         w = self.decode.policy.window
         per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
         if query is not None:
             if per_layer[layer] is None:
                 per_layer[layer] = [query.new_empty((w,) + tuple(query.shape[1:])), 0]
             ring = per_layer[layer]
-            ring[0][ring[1] % w] = query[-1]
-            ring[1] += 1
+            for q in query[max(query.shape[0] - w, 0):]:
+                ring[0][ring[1] % w] = q
+                ring[1] += 1
         ring, count = per_layer[layer]
         if count <= w:
             return ring[:count]
