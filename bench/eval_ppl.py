@@ -8,9 +8,18 @@ the ``n_sink`` sinks + the most recent tokens, as StreamingLLM; ``h2o``: sinks +
 + the keys with the highest accumulated attention), so a token attends to at most
 ``budget + chunk`` cached entries. Tokens keep their original RoPE positions. Reported: the
 perplexity over tokens ``[--skip, N)`` (the first tokens are identical for every policy) and the
-KV bytes held (largest over the run).
+KV bytes held (largest after a forward that reads tokens of that range).
+
+``--decode``: the periodic decode-time rule instead (``kp.hf.compress(model, "full",
+decode=POLICY, max_held=BUDGET, interval=--interval)``, the rule kp.vllm runs): the first
+``--prompt`` tokens are the prompt (kept whole), then the text continues ``--interval``
+tokens per forward (teacher-forced generated tokens), and after each forward every layer
+holding more than ``max_held`` tokens is compressed back to ``max_held`` (streaming: sinks +
+most recent; snapkv: voting by the last ``window`` queries; h2o: attention summed over every
+forward since the prompt). A token then sees at most ``max_held + interval`` entries.
 
     .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
+    .venv/bin/python bench/eval_ppl.py --decode --policies streaming snapkv h2o --dtype float32
 """
 
 from __future__ import annotations
@@ -37,15 +46,19 @@ def nll_full(model, ids):
 
 
 @torch.no_grad()
-def nll_bounded(model, ids, policy, budget, chunk, n_sink, window, bar):
+def nll_bounded(model, ids, chunk, bar, first, skip, **options):
+    """Per-token NLL reading ``ids`` in forwards of ``first`` then ``chunk`` tokens under
+    ``kp.hf.compress(model, **options)``, and the largest KV bytes held after a forward that
+    reads scored tokens (past ``skip``)."""
     from transformers import DynamicCache
 
     cache, out, held = DynamicCache(), [], 0
-    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=n_sink, window=window):
-        for s in range(0, ids.shape[1], chunk):
-            part = ids[:, s: s + chunk]
+    starts = [0, *range(first, ids.shape[1], chunk)]
+    with kp.hf.compress(model, **options):
+        for s, e in zip(starts, starts[1:] + [ids.shape[1]]):
+            part = ids[:, s: e]
             logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits[0].float()
-            held = max(held, hf.kv_bytes(cache))
+            held = max(held, hf.kv_bytes(cache)) if e > skip else held
             out.append(logits)
             bar.update(1)
     logits = torch.cat(out)[:-1]
@@ -64,6 +77,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
+    ap.add_argument("--decode", action="store_true",
+                    help="the periodic decode-time rule (policies: streaming snapkv h2o; "
+                         "budgets: max_held)")
+    ap.add_argument("--prompt", type=int, default=512, help="--decode: prompt tokens")
+    ap.add_argument("--interval", type=int, default=64, help="--decode: tokens per forward")
     ap.add_argument("--out", type=Path, default=common.RESULTS / "ppl_results.json")
     args = ap.parse_args()
 
@@ -76,7 +94,9 @@ def main() -> None:
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * model.dtype.itemsize
     rows = []
-    n_chunks = math.ceil(args.tokens / args.chunk)
+    step = args.interval if args.decode else args.chunk
+    first = args.prompt if args.decode else args.chunk
+    n_chunks = 1 + math.ceil((args.tokens - first) / step)
     total = args.texts * (1 + len(args.policies) * len(args.budgets) * n_chunks)
     bar = tqdm(total=total, desc="ppl", unit="fwd")
     for t in range(args.texts):
@@ -92,10 +112,14 @@ def main() -> None:
         rows.append(full)
         for pol in args.policies:
             for b in args.budgets:
-                nll, held = nll_bounded(model, ids, pol, b, args.chunk, args.n_sink, args.window, bar)
-                rows.append({"text": t, "novel": name, "policy": pol, "budget": b,
+                options = (dict(policy="full", decode=pol, max_held=b, interval=args.interval)
+                           if args.decode else dict(policy=pol, budget=b))
+                nll, held = nll_bounded(model, ids, step, bar, first, args.skip,
+                                        n_sink=args.n_sink, window=args.window, **options)
+                label = f"decode {pol}" if args.decode else pol
+                rows.append({"text": t, "novel": name, "policy": label, "budget": b,
                              "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held})
-                tqdm.write(f"{name} {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
+                tqdm.write(f"{name} {label}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
         common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
     bar.close()

@@ -15,15 +15,15 @@ def kept_indices(policy: "policies.Policy", query: torch.Tensor, key: torch.Tens
     Args:
         query: [M, Hq, D] the prompt's last post-RoPE queries (what the attention layer got;
             at least the policy's observation window).
-        key: [N, Hkv, D] the prompt's post-RoPE keys (what vLLM wrote into its cache).
+        key: [1, Hkv, N, D] the prompt's post-RoPE keys (what vLLM wrote into its cache;
+            last dim contiguous).
         kept: tokens to keep (< N).
         scale: the layer's softmax scale.
     """
-    n, m = key.shape[0], query.shape[0]
+    n, m = key.shape[2], query.shape[0]
     w = policy.observed_queries(n)
     if m < w:
         raise ValueError(f"query: {m} queries, the policy observes the last {w}")
     q_win = query[m - w :].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, W, D]
-    k = key.transpose(0, 1).unsqueeze(0).contiguous()                # [1, Hkv, N, D]
-    scores = policy.score(q_win, k, scale=scale)
+    scores = policy.score(q_win, key, scale=scale)
     return kp.select_keep(scores, kept, n_sink=policy.n_sink, window=policy.window)

@@ -56,7 +56,9 @@ def compact_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens:
 
 
 def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[num_tokens, Hkv, D]: the request's keys, read through its blocks (a copy).
+    """[1, Hkv, num_tokens, D]: the request's keys, token-major per KV head, read through its
+    blocks (a copy: the blocks' K halves gathered, then transposed; a view of that, last dim
+    contiguous, as kvprune's dense ops take it).
 
     Args:
         kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc).
@@ -66,5 +68,5 @@ def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     d = two_d // 2
     per_head = kv_cache.view(num_blocks, hkv, bs * two_d)
     k = per_head[block_ids.long(), :, : bs * d]                   # K only: dim-major [D, bs]
-    k = k.reshape(-1, hkv, d, bs).permute(0, 3, 1, 2)             # [nb, bs, Hkv, D]
-    return k.reshape(-1, hkv, d)[:num_tokens]
+    k = k.view(-1, hkv, d, bs).permute(1, 0, 3, 2)                # [Hkv, nb, bs, D] (a view)
+    return k.reshape(1, hkv, -1, d)[:, :, :num_tokens]

@@ -157,13 +157,11 @@ class RunnerHooks:
             self._window(row, layer, rows(row))
         blocks = lambda row: meta.block_table[  # noqa: E731
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
-        keys = {}  # req_id -> [tokens, Hkv, D], read once per layer and request
         for row in self.decoding:
             past_prompt = rows(row)[-row.kept:]  # the step's queries past the prompt
             if self.decode.accumulates:
-                keys[row.req_id] = request_keys(module.kv_cache, blocks(row), row.tokens)
-                self._accumulate(row.req_id, layer, past_prompt, keys[row.req_id],
-                                 module.impl.scale)
+                keys = request_keys(module.kv_cache, blocks(row), row.tokens)
+                self._accumulate(row.req_id, layer, past_prompt, keys, module.impl.scale)
             else:
                 self._decode_window(row.req_id, layer, past_prompt)
         for row in self.plan:
@@ -175,16 +173,15 @@ class RunnerHooks:
             else:
                 policy, queries = self.policy, self._window(row, layer, rows(row))
             row_blocks = blocks(row)
-            k = keys.get(row.req_id)
-            k = request_keys(module.kv_cache, row_blocks, row.tokens) if k is None else k
             policy = _policy.with_pinned(policy, row.kept, row.pinned)
-            if row.decode and self.decode.accumulates:
+            if row.decode and self.decode.accumulates:  # h2o: by the sums, no key read
                 evidence = self.decode_evidence[row.req_id]
                 idx = kp.select_keep(evidence[layer], row.kept, n_sink=policy.n_sink,
                                      window=policy.window)
                 evidence[layer] = evidence[layer].gather(2, idx.long())  # kept keys' sums
             else:
-                idx = kept_indices(policy, queries, k, row.kept, module.impl.scale)
+                keys = request_keys(module.kv_cache, row_blocks, row.tokens)
+                idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
             compact_request(module.kv_cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
@@ -194,13 +191,11 @@ class RunnerHooks:
     def _accumulate(self, req_id: str, layer: int, query: torch.Tensor, keys: torch.Tensor,
                     scale: float) -> None:
         """h2o rule: adds the attention of this step's decode queries ``query`` [q, Hq, D] (the
-        last q positions) over the request's held ``keys`` [tokens, Hkv, D] (theirs
+        last q positions) over the request's held ``keys`` [1, Hkv, tokens, D] (theirs
         included) to the held keys' sums."""
         per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
-        q = query.transpose(0, 1).unsqueeze(0)                # [1, Hq, q, D]
-        k = keys.transpose(0, 1).unsqueeze(0).contiguous()   # [1, Hkv, tokens, D]
-        per_layer[layer] = self.decode.accumulate(per_layer[layer], q.contiguous(), k,
-                                                  scale=scale)
+        q = query.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, q, D]
+        per_layer[layer] = self.decode.accumulate(per_layer[layer], q, keys, scale=scale)
 
     def _decode_window(self, req_id: str, layer: int, query=None) -> torch.Tensor:
         """The request's last ``window`` decode queries of ``layer`` in order ([<= W, Hq, D]),
