@@ -57,6 +57,7 @@ class _Row:
     tokens: int = 0  # tokens the request holds once this step's are written
     decode: bool = False  # a decode-time compression (else the prompt's)
     positions: int = 0    # positions computed once this step is done
+    past_prompt: int = 0  # this step's tokens past the prompt (rows the decode rule observes)
 
 
 class RunnerHooks:
@@ -121,9 +122,10 @@ class RunnerHooks:
                                       computed + scheduled))
             elif _policy.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
-            if decoding and observes:  # kept: the step's queries past the prompt
+            if decoding and observes:
                 held = computed + scheduled - self.evicted.get(req_id, 0)
-                self.decoding.append(_Row(req_id, row, prompt_len, kept=new, tokens=held))
+                self.decoding.append(_Row(req_id, row, prompt_len, tokens=held,
+                                          past_prompt=new))
         result = prepare(scheduler_output, *args, **kwargs)
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
@@ -158,12 +160,12 @@ class RunnerHooks:
         blocks = lambda row: meta.block_table[  # noqa: E731
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
         for row in self.decoding:
-            past_prompt = rows(row)[-row.kept:]  # the step's queries past the prompt
+            new_queries = rows(row)[-row.past_prompt:]  # [past_prompt, Hq, D]
             if self.decode.accumulates:
                 keys = request_keys(module.kv_cache, blocks(row), row.tokens)
-                self._accumulate(row.req_id, layer, past_prompt, keys, module.impl.scale)
+                self._accumulate(row.req_id, layer, new_queries, keys, module.impl.scale)
             else:
-                self._decode_window(row.req_id, layer, past_prompt)
+                self._decode_window(row.req_id, layer, new_queries)
         for row in self.plan:
             if row.decode:
                 policy = self.decode.policy
