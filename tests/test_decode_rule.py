@@ -59,12 +59,7 @@ def test_bad_arguments_are_named(kwargs, name):
 def test_kp_hf_streaming_decode_holds_the_specified_positions():
     """Teacher-forced through kp.hf with decode="streaming": layer 0's keys (a function of
     token and position only) are the dense run's at exactly the positions the spec holds."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    transformers, model = _tiny_qwen()
     ids = torch.randint(0, 128, (1, 230))
     prompt, steps = 100, 129
     dense = transformers.DynamicCache()

@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 from kvprune_cuda import policy as policies
 
-POLICIES = ("full", "snapkv", "streaming")  # those the engine runs (kvzip, h2o: kp.hf only)
+POLICIES = ("full", "snapkv", "streaming")  # prompt policies the engine runs (kvzip, h2o:
+# kp.hf only; h2o runs as a decode-time rule, kp.policy.DECODE_POLICIES)
 CONFIG_KEY = "kvprune"  # the entry of vLLM's additional_config that holds the policy
 # The SchedulerOutput attribute with the step's compressions: {req_id: (kept, pinned, held)},
 # held: the tokens the request holds once the step's are written (the worker compacts those).
