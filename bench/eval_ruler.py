@@ -4,16 +4,21 @@
 Every setting runs on the very same samples and token ids (context ids + question ids, split
 as ``ruler_tasks.prompt_ids`` does):
 
-* ``full``: ``model.generate`` on the whole prompt, no compression.
-* query-aware (``<policy>-aware``, snapkv / streaming / h2o): the whole prompt (context and
-  question: the question lies in SnapKV's observation window) through
-  ``with kp.hf.compress(model, policy=P, budget=B): model.generate(...)``; the budget is a
-  fraction of the prompt's tokens.
+* ``full`` and query-aware (``<policy>-aware``, snapkv / streaming / h2o): the prompt
+  (context and question: the question lies in SnapKV's observation window) but its last token
+  prefilled once per sample and scored for every policy,
+  ``sc = kp.hf.score_context(model, prompt[:, :-1], ["snapkv", "h2o"])``; per config
+  ``sc.compress(budget=B, policy=P).generate(prompt[:, -1:], ...)`` (``P="full"``: nothing
+  dropped). The budget is a fraction of those tokens. The same semantics as
+  ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
+  attends to the compressed cache (and is not in the window) instead of the whole prompt; one
+  prefill instead of one per config.
 * query-agnostic (kvzip-head / kvzip-global / kvzip-layer, snapkv-agnostic, h2o-agnostic): the
-  context compressed before the question is known,
-  ``ctx = kp.hf.compress_context(model, context_ids, policy=P, budget=B, budget_scope=S)``, then
-  ``ctx.generate(question_ids, max_new_tokens=..., do_sample=False)``; the budget is a fraction
-  of the context's tokens.
+  context compressed before the question is known: one ``kp.hf.score_context(model,
+  context_ids, ["kvzip", "snapkv", "h2o"])`` per sample (kvzip's reconstruction forwards
+  included), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
+  ``.generate(question_ids, ...)``: what ``kp.hf.compress_context`` does for one policy. The
+  budget is a fraction of the context's tokens.
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``): as kvpress's own pipeline
   runs them, query-agnostic: the context prefilled under ``with press(model)``, then the
@@ -25,10 +30,11 @@ as ``ruler_tasks.prompt_ids`` does):
 
 Recorded per (sample, setting, budget): the answer, RULER's score (fraction of the reference
 strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the
-compressed context for the query-agnostic settings; ``kp.hf.kv_bytes`` of the cache after
-the context for kvpress; after the answer for full and query-aware, whose prompt includes the
-question: ``new_tokens`` says how many answer tokens that includes), and wall seconds (prefill,
-compression, question and decoding). Decoding stops at EOS, at the task's
+compressed context: after the context for the query-agnostic settings, after
+the prompt but its last token for full and the query-aware ones; ``kp.hf.kv_bytes`` of the
+cache after the context for kvpress), and wall seconds: the config's own compression and
+answer (kvpress: its prefill too); the shared prefills and kvzip's reconstruction are
+recorded once per sample (``shared_seconds``). Decoding stops at EOS, at the task's
 ``max_new_tokens`` (RULER's: niah 128, vt 30, cwe 120, fwe 50) or as soon as every reference is
 in the answer (the score can no longer change).
 
@@ -175,78 +181,119 @@ def _greedy(model, tok, cache, qst, n_ctx, max_new, refs):
     return out
 
 
-def run_setting(model, tok, ctx, qst, refs, setting, frac, args, max_new, kvpress=None) -> dict:
-    """One setting at one budget on one sample: {answer, score, kv_bytes, kv_at, held_tokens,
-    new_tokens, seconds, ...}."""
-    kind, policy, scope = SETTINGS[setting]
-    n_ctx = ctx.shape[1]
-    prompt = torch.cat([ctx, qst], 1)
-    rec: dict = {}
-    t0 = time.perf_counter()
-    if kind in ("full", "aware"):
-        mask = torch.ones_like(prompt)
-        with (kp.hf.compress(model, policy=policy, budget=frac, n_sink=args.n_sink,
-                             window=args.window, kernel_size=args.kernel_size)
-              if kind == "aware" else _null()):
-            with torch.no_grad():
-                out = model.generate(input_ids=prompt, attention_mask=mask, return_dict_in_generate=True,
-                                     **_gen_kwargs(tok, refs, max_new))
-        new = out.sequences[0, prompt.shape[1]:].tolist()
-        rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(out.past_key_values), "after the answer"
-        rec["budget_tokens"] = prompt.shape[1] if kind == "full" else kp.hf.resolve_budget(frac, prompt.shape[1])
-        del out
-    elif kind == "agnostic":
-        c = kp.hf.compress_context(model, ctx, policy=policy, budget=frac, budget_scope=scope,
-                                   tokenizer=tok, n_sink=args.n_sink,
-                                   window=None if policy == "kvzip" else args.window,
-                                   kernel_size=args.kernel_size, chunk_size=args.chunk_size)
-        g = c.generate(qst, **_gen_kwargs(tok, refs, max_new))
-        new = g[0, qst.shape[1]:].tolist()
-        rec["kv_bytes"], rec["kv_at"] = c.nbytes, "after the context"
-        rec["tokens_per_layer"] = list(c.tokens_per_layer)
-        rec["budget_tokens"] = kp.hf.resolve_budget(frac, n_ctx)
-        rec["prefill_seconds"], rec["compress_seconds"] = c.prefill_seconds, c.compress_seconds
-        del c
-    else:  # kvpress, query-agnostic as its pipeline
-        from transformers import DynamicCache
+def _policies(names, args, with_window=True):
+    """The named policies with the run's options (kvzip keeps its own window 0)."""
+    return [kp.policy.make(n, n_sink=args.n_sink, kernel_size=args.kernel_size,
+                           chunk_size=args.chunk_size,
+                           window=args.window if with_window and n != "kvzip" else None)
+            for n in names]
 
-        kb = kp.hf.resolve_budget(frac, n_ctx)
-        press = _make_press(kvpress, policy, 1.0 - (kb + 0.5) / n_ctx, args)
-        cache = DynamicCache()
-        with torch.no_grad(), press(model):
-            model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
-        layers = model.model.layers
-        if policy == "KVzipPress":  # masked, not freed
-            hkv = model.config.num_key_value_heads
-            masked = [0 if getattr(l.self_attn, "masked_key_indices", None) is None
-                      else int(l.self_attn.masked_key_indices[0].numel()) for l in layers]
-            rec["kv_bytes"], rec["kv_at"] = None, "masked, not freed"
-            rec["kv_bytes_allocated"] = kp.hf.kv_bytes(cache)
-            rec["tokens_per_layer"] = [n_ctx - m / hkv for m in masked]
-        else:
-            rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(cache), "after the context"
-            rec["tokens_per_layer"] = [int(cache.layers[i].keys.shape[2]) for i in range(len(layers))]
-        rec["budget_tokens"] = kb
-        try:
-            new = _greedy(model, tok, cache, qst, n_ctx, max_new, refs)
-        finally:
-            for lay in layers:  # KVzipPress's masks must not leak into the next run
-                lay.self_attn.masked_key_indices = None
-        del cache
-    rec["seconds"] = time.perf_counter() - t0
-    answer = tok.decode(new, skip_special_tokens=True)
-    rec.update(answer=answer, score=rt.score(answer, refs), new_tokens=len(new))
-    if rec.get("kv_bytes") is not None:
-        rec["held_tokens"] = rec["kv_bytes"] / bytes_per_token(model)
+
+def _scored(model, tok, ids, names, args):
+    """``kp.hf.score_context`` of ``ids`` recording every ranking policy in ``names`` ("full"
+    when none ranks); (ScoredContext, {prefill, score} seconds)."""
+    ranked = [n for n in dict.fromkeys(names) if kp.policy.make(n).ranks] or ["full"]
+    window = None if "kvzip" in ranked else args.window  # the options override every policy's
+    sc = kp.hf.score_context(model, ids, _policies(ranked, args), tokenizer=tok,
+                             n_sink=args.n_sink, window=window, kernel_size=args.kernel_size)
+    return sc, {"tokens": ids.shape[1], "prefill": sc.prefill_seconds, "score": sc.score_seconds}
+
+
+def _from_scored(sc, tok, qst, refs, policy, frac, scope, max_new, kv_at) -> dict:
+    """One config out of a shared ScoredContext: compress, then answer ``qst``."""
+    t0 = time.perf_counter()
+    c = sc.compress(budget=frac, budget_scope=scope, policy=policy)
+    t1 = time.perf_counter()
+    g = c.generate(qst, **_gen_kwargs(tok, refs, max_new))
+    rec = {"seconds": time.perf_counter() - t0, "compress_seconds": t1 - t0,
+           "kv_bytes": c.nbytes, "kv_at": kv_at, "tokens_per_layer": list(c.tokens_per_layer),
+           "budget_tokens": kp.hf.resolve_budget(frac, sc.context_ids.shape[1]) if frac else
+           sc.context_ids.shape[1], "new": g[0, qst.shape[1]:].tolist()}
+    del c
     return rec
 
 
-class _null:
-    def __enter__(self):
-        return None
+def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) -> tuple[dict, dict]:
+    """Every (setting, budget) of ``cfgs`` on one sample: ({config name: record}, shared
+    seconds). Records: {answer, score, kv_bytes, kv_at, held_tokens, new_tokens, seconds,
+    budget_tokens, tokens_per_layer, ...}; ``seconds`` is the config's own compression and
+    answer, the shared prefills and kvzip's reconstruction are in the second dict.
 
-    def __exit__(self, *a):
-        return False
+    full and the query-aware settings share one prefill: the prompt but its last token,
+    scored once (``kp.hf.score_context``: snapkv's window is the last ``window`` of those
+    tokens, the question's end and the answer prefix; h2o's sums are over all of them),
+    compressed per config (``ScoredContext.compress``); the prompt's last token then starts
+    the answer (``CompressedContext.generate``). The query-agnostic settings share the
+    context's prefill (and kvzip's reconstruction of it); the question follows the
+    compressed context. kvpress runs as its own pipeline does, one prefill per config.
+    """
+    out: dict = {}
+    shared: dict = {}
+    n_ctx = ctx.shape[1]
+    prompt = torch.cat([ctx, qst], 1)
+    aware = [(s, f) for s, f in cfgs if SETTINGS[s][0] in ("full", "aware")]
+    agnostic = [(s, f) for s, f in cfgs if SETTINGS[s][0] == "agnostic"]
+    if aware:
+        sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1],
+                                       [SETTINGS[s][1] for s, _ in aware if s != "full"], args)
+        for s, f in aware:
+            policy = "full" if s == "full" else SETTINGS[s][1]
+            out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f, None,
+                                                  max_new, "after the prompt")
+        del sc
+    if agnostic:
+        sc, shared["context"] = _scored(model, tok, ctx, [SETTINGS[s][1] for s, _ in agnostic], args)
+        for s, f in agnostic:
+            _, policy, scope = SETTINGS[s]
+            out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, policy, f, scope, max_new,
+                                                  "after the context")
+        del sc
+    for s, f in cfgs:
+        if SETTINGS[s][0] == "kvpress":
+            out[config_name(s, f)] = _kvpress(model, tok, ctx, qst, refs, SETTINGS[s][1], f, args,
+                                              max_new, kvpress)
+    for rec in out.values():
+        new = rec.pop("new")
+        answer = tok.decode(new, skip_special_tokens=True)
+        rec.update(answer=answer, score=rt.score(answer, refs), new_tokens=len(new))
+        if rec.get("kv_bytes") is not None:
+            rec["held_tokens"] = rec["kv_bytes"] / bytes_per_token(model)
+    return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
+
+
+def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress) -> dict:
+    """kvpress's press ``cls`` as its pipeline runs it, query-agnostic: the context prefilled
+    under ``with press(model)``, then the question and a greedy decode on that cache."""
+    from transformers import DynamicCache
+
+    n_ctx = ctx.shape[1]
+    rec: dict = {}
+    t0 = time.perf_counter()
+    kb = kp.hf.resolve_budget(frac, n_ctx)
+    press = _make_press(kvpress, cls, 1.0 - (kb + 0.5) / n_ctx, args)
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    layers = model.model.layers
+    if cls == "KVzipPress":  # masked, not freed
+        hkv = model.config.num_key_value_heads
+        masked = [0 if getattr(l.self_attn, "masked_key_indices", None) is None
+                  else int(l.self_attn.masked_key_indices[0].numel()) for l in layers]
+        rec["kv_bytes"], rec["kv_at"] = None, "masked, not freed"
+        rec["kv_bytes_allocated"] = kp.hf.kv_bytes(cache)
+        rec["tokens_per_layer"] = [n_ctx - m / hkv for m in masked]
+    else:
+        rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(cache), "after the context"
+        rec["tokens_per_layer"] = [int(cache.layers[i].keys.shape[2]) for i in range(len(layers))]
+    rec["budget_tokens"] = kb
+    try:
+        rec["new"] = _greedy(model, tok, cache, qst, n_ctx, max_new, refs)
+    finally:
+        for lay in layers:  # KVzipPress's masks must not leak into the next run
+            lay.self_attn.masked_key_indices = None
+    del cache
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,18 +317,20 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
                "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1], "refs": s.refs,
                "meta": {k: v for k, v in s.meta.items() if k != "needles"}, "results": {}}
         max_new = args.max_new_tokens or rt.MAX_NEW_TOKENS.get(s.task, 128)
+        cfgs = []
         for setting, frac in configs(settings, budgets):
-            name = config_name(setting, frac)
             if SETTINGS[setting][0] == "kvpress" and kvpress is None:
                 data["skipped"][setting] = "kvpress not importable"
-                continue
-            if setting == "kvpress-kvzip" and not _has_hub_tokenizer(model):
+            elif setting == "kvpress-kvzip" and not _has_hub_tokenizer(model):
                 data["skipped"][setting] = "KVzipPress loads the tokenizer of model.config.name_or_path"
-                continue
-            r = run_setting(model, tok, ctx, qst, s.refs, setting, frac, args, max_new, kvpress)
-            rec["results"][name] = r
+            else:
+                cfgs.append((setting, frac))
+        rec["results"], rec["shared_seconds"] = run_sample(model, tok, ctx, qst, s.refs, cfgs, args,
+                                                           max_new, kvpress)
+        for name, r in rec["results"].items():
             log(f"{s.task}#{s.index} {name}: score {r['score']:.2f} ({r['seconds']:.1f} s) "
                 f"{r['answer'][:60]!r}")
+        log(f"{s.task}#{s.index} shared: {rec['shared_seconds']}")
         data["records"].append(rec)
         data["wall_seconds"] = time.perf_counter() - t_run
         if out is not None:
@@ -392,7 +441,9 @@ def table(data) -> str:
     out = "\n".join(rows)
     out += ("\n\nScores x100 (samples in parentheses); mean over all the config's samples; x full: "
             "the config's summed score over full's on the same samples. KV held: after the "
-            "context (query-agnostic, kvpress) or after the answer (full, query-aware). Samples "
+            "context (query-agnostic, kvpress) or after the prompt but its last token (full, "
+            "query-aware); seconds: the config's own compression and answer, the shared "
+            "prefills apart. Samples "
             "per task: " + ", ".join(f"{t} {n}" for t, n in n_samples.items()) + ".")
     return out + "\n\n" + headline(data)
 

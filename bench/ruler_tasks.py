@@ -400,7 +400,9 @@ def make_sample(task: str, index: int, tok, tokens: int, novels: Optional[dict] 
 
 
 def make_samples(tasks, n: int, tok, tokens: int, novels=None, seed: int = 0) -> list:
-    return [make_sample(t, i, tok, tokens, novels, seed) for t in tasks for i in range(n)]
+    """``n`` samples of every task, index-major (every task's sample 0 first), so that a run
+    cut short holds as many samples of each task."""
+    return [make_sample(t, i, tok, tokens, novels, seed) for i in range(n) for t in tasks]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -186,12 +186,10 @@ def test_quick_context_question_split_and_budgets(quick_run):
             setting, frac = er.split_name(name)
             kind = er.SETTINGS[setting][0]
             new = res["new_tokens"]
-            if kind == "full":
-                assert res["kv_bytes"] == (n_all + new - 1) * per_tok
-            elif kind == "aware":  # budget of the whole prompt; snapkv then grows by the answer
-                kb = kp.hf.resolve_budget(frac, n_all)
-                grow = new - 1 if setting == "snapkv-aware" else 0
-                assert res["budget_tokens"] == kb and held_ok(res, name, kb + grow), name
+            if kind in ("full", "aware"):  # the prompt but its last token, compressed once
+                kb = n_all - 1 if kind == "full" else kp.hf.resolve_budget(frac, n_all - 1)
+                assert res["budget_tokens"] == kb and held_ok(res, name, kb), name
+                assert res["tokens_per_layer"] == [kb] * len(res["tokens_per_layer"]), name
             else:  # the context alone was compressed: the question's tokens are not in it
                 kb = kp.hf.resolve_budget(frac, n_ctx)
                 assert res["budget_tokens"] == kb
@@ -202,21 +200,24 @@ def test_quick_context_question_split_and_budgets(quick_run):
                 assert held_ok(res, name, kb), name
 
 
-def test_quick_compress_context_never_sees_the_question(quick_run, monkeypatch):
+def test_quick_agnostic_scoring_never_sees_the_question(quick_run, monkeypatch):
     model, samples, args, _ = quick_run
     seen = []
-    real = kp.hf.compress_context
+    real = kp.hf.score_context
 
-    def spy(m, context_ids, **kw):
-        seen.append(context_ids.clone())
-        return real(m, context_ids, **kw)
+    def spy(m, ids, *a, **kw):
+        seen.append(ids.clone())
+        return real(m, ids, *a, **kw)
 
-    monkeypatch.setattr(kp.hf, "compress_context", spy)
+    monkeypatch.setattr(kp.hf, "score_context", spy)
     s = samples[0]
     ctx, qst = rt.prompt_ids(TOK, s)
-    er.run_setting(model, TOK, ctx, qst, s.refs, "kvzip-head", 0.5, args, 3)
-    assert len(seen) == 1 and torch.equal(seen[0], ctx)
-    assert s.question not in TOK.decode(seen[0][0])
+    res, shared = er.run_sample(model, TOK, ctx, qst, s.refs, [("full", None), ("kvzip-head", 0.5)],
+                                args, 3)
+    assert len(seen) == 2 and set(shared) == {"prompt", "context"}
+    assert torch.equal(seen[0], torch.cat([ctx, qst], 1)[:, :-1]) and torch.equal(seen[1], ctx)
+    assert s.question not in TOK.decode(seen[1][0])
+    assert set(res) == {"full", "kvzip-head@50%"}
 
 
 def _fake(scores: dict) -> dict:
