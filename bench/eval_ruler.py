@@ -70,6 +70,7 @@ except ImportError:  # pragma: no cover
 SETTINGS = {
     "full": ("full", None, None),
     "snapkv-aware": ("aware", "snapkv", None),
+    "snapkv-aware-k15": ("aware", "snapkv", None),
     "streaming-aware": ("aware", "streaming", None),
     "h2o-aware": ("aware", "h2o", None),
     "kvzip-head": ("agnostic", "kvzip", "head"),
@@ -82,6 +83,8 @@ SETTINGS = {
     "kvpress-kvzip": ("kvpress", "KVzipPress", None),
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
 }
+# setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
+OPTIONS = {"snapkv-aware-k15": {"kernel_size": 15}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
 
@@ -189,6 +192,11 @@ def _policies(names, args, with_window=True):
             for n in names]
 
 
+def _setting_policy(setting: str, args):
+    """The policy of ``setting`` with the run's options and the setting's own (OPTIONS)."""
+    return kp.policy.make(_policies([SETTINGS[setting][1]], args)[0], **OPTIONS.get(setting, {}))
+
+
 def _scored(model, tok, ids, names, args):
     """``kp.hf.score_context`` of ``ids`` recording every ranking policy in ``names`` ("full"
     when none ranks); (ScoredContext, {prefill, score} seconds)."""
@@ -237,15 +245,15 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
         sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1],
                                        [SETTINGS[s][1] for s, _ in aware if s != "full"], args)
         for s, f in aware:
-            policy = "full" if s == "full" else SETTINGS[s][1]
+            policy = "full" if s == "full" else _setting_policy(s, args)
             out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f, None,
                                                   max_new, "after the prompt")
         del sc
     if agnostic:
         sc, shared["context"] = _scored(model, tok, ctx, [SETTINGS[s][1] for s, _ in agnostic], args)
         for s, f in agnostic:
-            _, policy, scope = SETTINGS[s]
-            out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, policy, f, scope, max_new,
+            out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, _setting_policy(s, args), f,
+                                                  SETTINGS[s][2], max_new,
                                                   "after the context")
         del sc
     for s, f in cfgs:

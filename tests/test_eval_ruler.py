@@ -265,3 +265,10 @@ def test_main_quick_writes_and_tables(tmp_path, capsys):
     assert data["meta"]["commit"] and "threads" in data["meta"]["machine"]
     assert len(data["records"]) == 1 and set(data["records"][0]["results"]) == {
         "full", "kvzip-global@50%", "snapkv-aware@50%"}
+
+
+def test_setting_options_reach_the_policy():
+    args = er.parse(["--quick", "--kernel-size", "5"])
+    assert er._setting_policy("snapkv-aware", args).kernel_size == 5
+    assert er._setting_policy("snapkv-aware-k15", args).kernel_size == 15
+    assert er._setting_policy("kvzip-head", args).window == 0  # kvzip keeps its own window
