@@ -313,9 +313,10 @@ def configs(settings, budgets):
 
 
 def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optional[Path] = None,
-        log=print) -> dict:
-    """Every (setting, budget) on every sample; returns (and writes to ``out`` after each
-    sample) the result data."""
+        log=print, done: frozenset = frozenset()) -> dict:
+    """Every (setting, budget) on every sample but those in ``done`` ((task, index, seed,
+    tokens, config name) of earlier files: :func:`done_configs`); returns (and writes to
+    ``out`` after each sample) the result data."""
     data = {"meta": meta(), "args": _args_dict(args), "settings": list(settings),
             "budgets": list(budgets), "records": [], "skipped": {}}
     t_run = time.perf_counter()
@@ -331,8 +332,10 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
                 data["skipped"][setting] = "kvpress not importable"
             elif setting == "kvpress-kvzip" and not _has_hub_tokenizer(model):
                 data["skipped"][setting] = "KVzipPress loads the tokenizer of model.config.name_or_path"
-            else:
+            elif (s.task, s.index, args.seed, args.tokens, config_name(setting, frac)) not in done:
                 cfgs.append((setting, frac))
+        if not cfgs:
+            continue
         rec["results"], rec["shared_seconds"] = run_sample(model, tok, ctx, qst, s.refs, cfgs, args,
                                                            max_new, kvpress)
         for name, r in rec["results"].items():
@@ -344,6 +347,13 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
         if out is not None:
             _write(out, data)
     return data
+
+
+def done_configs(files) -> frozenset:
+    """(task, index, seed, tokens, config name) of every result in the given --out files."""
+    return frozenset((r["task"], r["index"], r.get("seed"), r.get("tokens"), name)
+                     for f in files for r in json.loads(Path(f).read_text())["records"]
+                     for name in r["results"])
 
 
 def _has_hub_tokenizer(model) -> bool:
@@ -358,7 +368,8 @@ def meta() -> dict:
 
 
 def _args_dict(args) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    plain = lambda v: str(v) if isinstance(v, Path) else v  # noqa: E731
+    return {k: [plain(x) for x in v] if isinstance(v, list) else plain(v) for k, v in vars(args).items()}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -540,6 +551,9 @@ def parse(argv=None):
                     help="tiny random model + character tokenizer + toy text (no download): "
                          f"{QUICK} unless given")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/ruler.json)")
+    ap.add_argument("--skip-done", type=Path, nargs="+", metavar="FILE",
+                    help="earlier --out files: their (sample, config) results are not run again "
+                         "(a run in parts; --table merges the files)")
     ap.add_argument("--table", type=Path, nargs="+", help="only print the tables of earlier --out files")
     ap.add_argument("--plot", type=Path, nargs="?", const=Path("bench/results/ruler.png"),
                     help="score vs budget per task family (PNG)")
@@ -587,7 +601,8 @@ def main(argv=None) -> dict:
         out = args.out or Path(__file__).resolve().parent / "results" / (
             "ruler_quick.json" if args.quick else "ruler.json")
         data = run(model, tok, samples, args.settings, args.budgets, args, kvpress, out,
-                   log=(lambda *a: None) if args.quick else print)
+                   log=(lambda *a: None) if args.quick else print,
+                   done=done_configs(args.skip_done or []))
         print(table(data))
         print(f"wrote {out}")
         if args.plot:

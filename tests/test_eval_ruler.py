@@ -272,3 +272,17 @@ def test_setting_options_reach_the_policy():
     assert er._setting_policy("snapkv-aware", args).kernel_size == 5
     assert er._setting_policy("snapkv-aware-k15", args).kernel_size == 15
     assert er._setting_policy("kvzip-head", args).window == 0  # kvzip keeps its own window
+
+
+def test_skip_done_runs_only_the_missing_configs(tmp_path):
+    first = tmp_path / "a.json"
+    er.main(["--quick", "--tasks", "vt", "niah_single_1", "--settings", "full", "--out", str(first)])
+    second = tmp_path / "b.json"
+    data = er.main(["--quick", "--tasks", "vt", "niah_single_1", "--settings", "full", "snapkv-aware",
+                    "--skip-done", str(first), "--out", str(second)])
+    assert [set(r["results"]) for r in data["records"]] == [{"snapkv-aware@50%"}] * 2
+    again = er.main(["--quick", "--tasks", "vt", "--settings", "full", "--skip-done", str(first),
+                     "--out", str(tmp_path / "c.json")])
+    assert again["records"] == []
+    merged = er.main(["--table", str(first), str(second)])
+    assert [set(r["results"]) for r in merged["records"]] == [{"full", "snapkv-aware@50%"}] * 2
