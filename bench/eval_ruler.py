@@ -184,11 +184,10 @@ def _greedy(model, tok, cache, qst, n_ctx, max_new, refs):
     return out
 
 
-def _policies(names, args, with_window=True):
+def _policies(names, args):
     """The named policies with the run's options (kvzip keeps its own window 0)."""
     return [kp.policy.make(n, n_sink=args.n_sink, kernel_size=args.kernel_size,
-                           chunk_size=args.chunk_size,
-                           window=args.window if with_window and n != "kvzip" else None)
+                           chunk_size=args.chunk_size, window=None if n == "kvzip" else args.window)
             for n in names]
 
 

@@ -131,10 +131,10 @@ def kept_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> torch.Te
     return torch.stack([torch.isin(pf[h], pk[h]) for h in range(pf.shape[0])])
 
 
-def retention(sc, c, positions: dict) -> dict:
+def retention(full, c, positions: dict) -> dict:
     """Per needle group: the fraction of (layer, head) pairs keeping all its tokens, and the
-    mean fraction of its tokens kept."""
-    full, comp = sc.compress(policy="full").cache(), c.cache()
+    mean fraction of its tokens kept; ``full``: the uncompressed cache ``c`` was made from."""
+    comp = c.cache()
     per = {g: [] for g in positions}
     for i in range(len(full.layers)):
         kept = kept_positions(full.layers[i].keys, comp.layers[i].keys)  # per-head: zero-padded
@@ -164,19 +164,20 @@ def probe_sample(model, tok, sample, vs: dict, args) -> dict:
         if not names:
             continue
         t0 = time.perf_counter()
-        pols = list({p.name: p for n in names for p in [vs[n][1]]}.values())
+        pols = list({vs[n][1].name: vs[n][1] for n in names}.values())
         sc = kp.hf.score_context(model, ids, pols, tokenizer=tok)
         rec["seconds"][g] = time.perf_counter() - t0
+        full = sc.compress(policy="full").cache()
         for n in names:
             _, p, scope = vs[n]
             c = sc.compress(budget=args.budget, budget_scope=scope, policy=p)
             g_ids = c.generate(question, **er._gen_kwargs(tok, sample.refs, max_new))
             answer = tok.decode(g_ids[0, question.shape[1]:], skip_special_tokens=True)
             rec["variants"][n] = {"answer": answer, "score": rt.score(answer, sample.refs),
-                                  "kept": retention(sc, c, pos)}
+                                  "kept": retention(full, c, pos)}
             print(f"{sample.task}#{sample.index} {n}: {rec['variants'][n]['score']:.2f} "
                   f"{answer[:40]!r} {rec['variants'][n]['kept']}", flush=True)
-        del sc
+        del sc, full
     return rec
 
 
