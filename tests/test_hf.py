@@ -154,6 +154,52 @@ def test_prefill_compression_matches_reference(request, gen, policy, arch):
     assert hf.kv_bytes(full) == 2 * N_LAYERS * HKV * n * D * 4
 
 
+class _OldestSnapKV(kp.policy.SnapKV):
+    """Scores the oldest tokens highest: a subclass whose ``score`` the fused snapkv op would
+    not compute."""
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None):
+        b, hkv, n = keys.shape[:3]
+        return -torch.arange(n, dtype=torch.float32).expand(b, hkv, n).clone()
+
+
+class _OldestStreaming(kp.policy.Streaming):
+    """Streaming with the recency order reversed (a ``score`` kp.streaming would not use)."""
+
+    score = _OldestSnapKV.score
+
+
+@pytest.mark.parametrize("policy_cls", [_OldestSnapKV, _OldestStreaming])
+def test_a_policy_subclass_scores_are_the_ones_ranked(model, gen, policy_cls):
+    """A subclass overriding ``score`` keeps what its scores rank first (here the oldest
+    tokens besides the window), not what the parent's fused op would keep."""
+    n, budget, w = 64, 24, 8
+    ids = _ids(gen, 1, n)
+    full, _ = _capture_full(model, ids, w)
+    cache = transformers.DynamicCache()
+    policy = policy_cls(budget=budget, n_sink=4, window=w)
+    with kp.hf.compress(model, policy=policy) as comp, torch.no_grad():
+        assert comp.policy == policy
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    keep = list(range(budget - w)) + list(range(n - w, n))
+    for i in range(N_LAYERS):
+        k, v = hf.cache_kv(full, i)
+        got_k, got_v = hf.cache_kv(cache, i)
+        torch.testing.assert_close(got_k, k[:, :, keep], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_v, v[:, :, keep], rtol=1e-5, atol=1e-5)
+
+
+def test_a_policy_instance_keeps_its_options(model):
+    """Options left out keep the instance's; given ones replace them."""
+    p = kp.policy.SnapKV(budget=24, window=8, kernel_size=15, pool="avg")
+    with kp.hf.compress(model, policy=p) as comp:
+        assert comp.policy == p
+    with kp.hf.compress(model, policy=p, budget=30) as comp:
+        assert comp.policy == kp.policy.SnapKV(budget=30, window=8, kernel_size=15, pool="avg")
+    with kp.hf.compress(model) as comp:  # a name: the class defaults
+        assert comp.policy == kp.policy.SnapKV()
+
+
 def _manual_decode(model, cache, first_logits, steps, pos0):
     """Greedy decode on an explicitly compressed cache (keys at original positions)."""
     out = [int(first_logits[0, -1].argmax())]

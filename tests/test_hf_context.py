@@ -750,3 +750,14 @@ def test_defaults_are_the_measured_best(model, gen):
     assert kvc.policy == kp.policy.KVzip(BUDGET, SINKS, chunk_size=CHUNK)
     snap = kp.hf.compress_context(model, ctx, "snapkv", BUDGET, n_sink=SINKS, window=W)
     assert snap.tokens_per_layer == [BUDGET] * N_LAYERS
+
+
+def test_a_policy_instance_keeps_its_budget_and_options(model, gen):
+    """compress_context(policy=instance) with nothing else keeps the instance's budget and
+    options; a given budget replaces its budget only."""
+    ctx = _ids(gen, 1, N)
+    p = kp.policy.SnapKV(BUDGET, SINKS, W, kernel_size=3)
+    kvc = kp.hf.compress_context(model, ctx, p, budget_scope="layer")
+    assert kvc.policy == p and kvc.tokens_per_layer == [BUDGET] * N_LAYERS
+    kvc = kp.hf.compress_context(model, ctx, p, 30, budget_scope="layer")
+    assert kvc.policy == kp.policy.SnapKV(30, SINKS, W, kernel_size=3)

@@ -95,3 +95,26 @@ def test_the_decode_rule_reaches_the_engine_with_its_own_options():
     assert (rule.policy.kernel_size, rule.policy.pool, rule.policy.gqa) == (3, "avg", "max")
     assert _policy.decode_from_vllm_config(
         type("Cfg", (), {"additional_config": kp.vllm.engine_args()["additional_config"]})) is None
+
+
+def test_a_policy_instance_keeps_its_options():
+    """Options left out keep the instance's (kernel 15 stays 15, budget 0.1 stays 0.1); given
+    ones replace them; the decode rule takes the prompt policy's options."""
+    cfg = lambda args: _policy.from_vllm_config(  # noqa: E731
+        type("Cfg", (), {"additional_config": args["additional_config"]}))
+    p = kp.policy.SnapKV(0.1, kernel_size=15)
+    assert cfg(kp.vllm.engine_args(p)) == p
+    assert cfg(kp.vllm.engine_args(p, 0.3)) == kp.policy.SnapKV(0.3, kernel_size=15)
+    rule = kp.vllm.engine_args(p, decode="snapkv", max_held=256, interval=64)
+    assert rule["additional_config"]["kvprune"]["decode"]["kernel_size"] == 15
+
+
+def test_a_policy_subclass_is_refused():
+    """Every vLLM process rebuilds the policy from its name: a subclass would silently lose
+    its overrides there."""
+    class Mine(kp.policy.SnapKV):
+        def score(self, queries, keys, *, scale=None, seq_lens=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="policy: .*subclass"):
+        kp.vllm.engine_args(Mine())

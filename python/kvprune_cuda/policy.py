@@ -334,5 +334,12 @@ def make_decode(decode: Optional[str], max_held: Optional[int], interval: Option
     return DecodeRule(policy, interval)
 
 
+def decode_options(prompt: Policy, **options) -> dict:
+    """A decode rule's policy ``options`` (n_sink, window, kernel_size, pool, gqa) beside the
+    prompt policy ``prompt``: the prompt's own where it has the field, else those given."""
+    return {f: getattr(prompt, f, v) for f, v in options.items()}
+
+
 __all__ = ["POLICIES", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
-           "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode"]
+           "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode",
+           "decode_options"]

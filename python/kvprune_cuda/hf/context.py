@@ -257,13 +257,15 @@ def score_context(model, context_ids: torch.Tensor,
 
 
 def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "policies.Policy"] = "kvzip",
-                     budget: Union[int, float] = 0.2, *, budget_scope: Optional[str] = None,
+                     budget: Union[int, float, None] = None, *,
+                     budget_scope: Optional[str] = None,
                      **options) -> CompressedContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses
     it: :func:`score_context` (``options``: n_sink, window, kernel_size, pool, gqa,
     chunk_size, softmax, tokenizer, repeat_prompt) then :meth:`ScoredContext.compress`.
 
-    ``budget``: tokens kept per layer, a fraction of ``n`` in (0, 1] or a count; with
+    ``budget``: tokens kept per layer, a fraction of ``n`` in (0, 1] or a count (None: the
+    policy's own, 0.2 for a name; likewise each option left out keeps the policy's); with
     ``budget_scope="global"`` the mean over layers (:func:`kvprune_cuda.layer_budgets`), with
     ``"head"`` the mean over layers, rows and KV heads (:func:`kvprune_cuda.head_budgets`,
     KVzip's own allocation, held in a per-head layer that frees the rest); neither for

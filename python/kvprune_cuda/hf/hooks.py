@@ -59,9 +59,8 @@ class KVCompressor:
                  max_held: Optional[int] = None, interval: Optional[int] = None) -> None:
         self.policy = policies.make(policy, budget=budget, n_sink=n_sink, window=window,
                                     kernel_size=kernel_size, pool=pool, gqa=gqa)
-        given = dict(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa)
-        self.decode = policies.make_decode(  # the prompt policy's options, else those given
-            decode, max_held, interval, **{f: getattr(self.policy, f, v) for f, v in given.items()})
+        self.decode = policies.make_decode(decode, max_held, interval, **policies.decode_options(
+            self.policy, n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa))
         if self.decode is not None and self.policy.fixed_capacity:
             raise ValueError(f"decode: the prompt policy {self.policy.name!r} already holds a "
                              "fixed-capacity ring while decoding; use it with 'snapkv' or "
@@ -357,14 +356,17 @@ class KVCompressor:
 
 
 @contextlib.contextmanager
-def compress(model, policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
-             window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
+def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
+             budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
+             window: Optional[int] = None, kernel_size: Optional[int] = None,
+             pool: Optional[str] = None, gqa: Optional[str] = None,
              decode: Optional[str] = None, max_held: Optional[int] = None,
              interval: Optional[int] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
-    ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o"; see
-    :mod:`kvprune_cuda.policy`), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
+    ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
+    :class:`~kvprune_cuda.policy.Policy`; see :mod:`kvprune_cuda.policy`; options left None
+    keep the policy's own: budget 0.2, n_sink 4, window 32, kernel_size 7 for a name), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
     ``interval`` generated tokens once it holds more than ``max_held``
     (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
     (``prompt_len``, ``compressed_len``, ``nbytes``)."""

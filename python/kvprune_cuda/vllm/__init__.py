@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from kvprune_cuda.policy import make_decode
+from kvprune_cuda.policy import decode_options, make_decode
 from kvprune_cuda.vllm._policy import (CONFIG_KEY, POLICIES, engine_config, engine_policy,
                                        kept_tokens)
 
@@ -55,10 +55,12 @@ def check_vllm_version(version: str) -> None:
                            f"this is vLLM {version}")
 
 
-def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_sink: int = 4,
-                window: int = 32, kernel_size: int = 7, pool: str = "max",
-                gqa: str = "mean", decode: Optional[str] = None,
-                max_held: Optional[int] = None, interval: Optional[int] = None) -> dict:
+def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
+                budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
+                window: Optional[int] = None, kernel_size: Optional[int] = None,
+                pool: Optional[str] = None, gqa: Optional[str] = None,
+                decode: Optional[str] = None, max_held: Optional[int] = None,
+                interval: Optional[int] = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
     into the result; do not override the ones it sets. vLLM's defaults stand (chunked
@@ -67,11 +69,15 @@ def engine_args(policy: str = "snapkv", budget: Union[int, float] = 0.2, *, n_si
     ``decode`` ("streaming" | "snapkv" | "h2o"), ``max_held``, ``interval``: decode-time
     compression (:class:`kvprune_cuda.policy.DecodeRule`): every ``interval`` generated tokens (a
     multiple of the engine's block size), a request holding more than ``max_held`` tokens is
-    compressed back to ``max_held`` and its emptied blocks are freed; the same options."""
+    compressed back to ``max_held`` and its emptied blocks are freed; the same options.
+
+    ``policy``: a name in :data:`POLICIES` or an instance of its
+    :mod:`kvprune_cuda.policy` class; options left None keep the policy's own (budget 0.2,
+    n_sink 4, window 32, kernel_size 7 for a name)."""
     p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
                       pool=pool, gqa=gqa)
-    rule = make_decode(decode, max_held, interval, n_sink=n_sink, window=window,
-                       kernel_size=kernel_size, pool=pool, gqa=gqa)
+    rule = make_decode(decode, max_held, interval, **decode_options(
+        p, n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa))
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",

@@ -28,13 +28,16 @@ PLAN_ATTR = "kvprune_compress"
 
 
 def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
-                  budget: Union[int, float, None] = 0.2, **options) -> "policies.Policy":
+                  budget: Union[int, float, None] = None, **options) -> "policies.Policy":
     """The :class:`kvprune_cuda.policy.Policy` ``policy`` with ``budget`` and ``options``
     (n_sink, window, kernel_size, pool, gqa), refused (ValueError naming ``policy``) unless
     the engine runs it."""
     name = policy.name if isinstance(policy, policies.Policy) else policy
     if name not in POLICIES:
         raise ValueError(f"policy: kp.vllm runs {POLICIES}, got {name!r}")
+    if isinstance(policy, policies.Policy) and type(policy) is not type(policies.make(name)):
+        raise ValueError(f"policy: every vLLM process rebuilds the policy from its name "
+                         f"{name!r}, so a subclass ({type(policy).__name__}) cannot run there")
     return policies.make(policy, budget=budget, **options)
 
 
