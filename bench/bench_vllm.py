@@ -17,7 +17,8 @@ caching (both on) and for the step's token budget. All requests arrive at t = 0;
 ``LLMEngine.step()`` and reads vLLM's own scheduler state after each step (running and
 waiting queues, KV-cache usage). "dense" is kvprune's policy "full" (same worker, same
 CPU_ATTN "vec" layout, nothing evicted); "vllm" (``--plain``) is vLLM untouched.
-Reported per setting: peak and time-weighted mean of running requests, generated tokens per
+Reported per setting: peak and time-weighted mean of running requests (over the whole burst,
+and over the steps that started with requests waiting: what the pool sustains under load), generated tokens per
 second over the whole burst, time to first token (includes queueing; p50 / p99), time per
 output token after the first (p50 / p99 over requests), pass-key accuracy.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import sys
@@ -102,13 +104,12 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
     hits = [key in done[str(i)][:40] for i, (_, key) in enumerate(reqs)]
     ttft = [first[str(i)] for i in range(len(reqs))]
     tpot = [(end[str(i)] - first[str(i)]) / max(args.gen - 1, 1) for i in range(len(reqs))]
-    weighted = sum((t1 - t0_) * r for (t0_, r, _, _), (t1, _, _, _)
-                   in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline))
     return {
         "setting": name, "pool_blocks": pool, "freed_blocks": freed,
         "preemptions": len(preemptions),
         "peak_running": max(r for _, r, _, _ in timeline),
-        "mean_running": weighted / makespan,
+        "mean_running": mean_running(timeline),
+        "mean_running_queued": mean_running_queued(timeline),
         "makespan_s": makespan, "gen_tok_per_s": len(reqs) * args.gen / makespan,
         "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99), "tpot_p50_s": percentile(tpot, 50),
@@ -116,6 +117,26 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
         "hits": sum(hits), "n": len(reqs), "timeline": timeline,
         "answers": [done[str(i)][:40] for i in range(len(reqs))],
     }
+
+
+def mean_running(timeline):
+    """Time-weighted mean of the running requests over the burst (each step weighted by its
+    duration, with the count it started from)."""
+    weighted = sum((t1 - t0) * run for (t0, run, _, _), (t1, _, _, _)
+                   in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline))
+    return weighted / timeline[-1][0]
+
+
+def mean_running_queued(timeline):
+    """Time-weighted mean of the running requests over the steps that left requests waiting
+    (each with the count it ended with): the concurrency the pool sustains while demand
+    exceeds it. None when no step left a request waiting."""
+    total = weighted = 0.0
+    for (t0, _, _, _), (t1, run, wait, _) in zip([(0.0, 0, 0, 0.0)] + timeline[:-1], timeline):
+        if wait > 0:
+            total += t1 - t0
+            weighted += (t1 - t0) * run
+    return weighted / total if total else None
 
 
 def percentile(values, q):
@@ -152,19 +173,24 @@ def plot(results, path):
 
 def table(results, meta):
     dense = next((r for r in results if r["setting"] == "dense"), None)
-    ratio = lambda a, b: "-" if dense is None else f"{a / b:.2f}"  # noqa: E731
+    ratio = lambda a, b: "-" if dense is None or a is None or not b else f"{a / b:.2f}"  # noqa: E731
     lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']} (chunked prefill and prefix "
              f"caching on); {meta['dtype']}; commit {meta['commit']}",
              f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
              f"generated; pool {results[0]['pool_blocks']} blocks of {BLOCK} "
              f"(= {meta['pool_requests']} dense requests)", "",
-             "| setting | peak running | mean running | x dense (peak) | gen tok/s | "
+             "| setting | peak running | mean running | mean running while queued | "
+             "x dense (queued) | x dense (peak) | gen tok/s | "
              "x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | makespan (s) | blocks freed "
              "| preemptions | pass key |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        r.setdefault("mean_running_queued", mean_running_queued(r["timeline"]))
     for r in results:
         lines.append(
             f"| {r['setting']} | {r['peak_running']} | {r['mean_running']:.1f} | "
+            f"{'-' if r['mean_running_queued'] is None else round(r['mean_running_queued'], 1)} | "
+            f"{ratio(r['mean_running_queued'], dense and dense['mean_running_queued'])} | "
             f"{ratio(r['peak_running'], dense and dense['peak_running'])} | "
             f"{r['gen_tok_per_s']:.2f} | "
             f"{ratio(r['gen_tok_per_s'], dense and dense['gen_tok_per_s'])} | "
@@ -196,7 +222,13 @@ def main() -> None:
                     help="skip the dense run (the x dense columns then read '-')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_concurrency.json")
+    ap.add_argument("--table", type=Path, metavar="FILE",
+                    help="only print the table of an earlier --out file")
     args = ap.parse_args()
+    if args.table:
+        saved = json.loads(args.table.read_text())
+        print(table(saved["results"], saved["meta"]))
+        return
 
     import torch
     import vllm
