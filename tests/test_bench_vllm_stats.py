@@ -1,0 +1,36 @@
+"""bench_vllm's concurrency statistics on hand-made timelines (no vLLM needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_vllm as bv  # noqa: E402
+
+# (time after the step, running, waiting, KV usage) per step, as run_setting records them
+TIMELINE = [(1.0, 2, 3, 0.5), (3.0, 2, 1, 0.9), (4.0, 3, 0, 0.9), (8.0, 1, 0, 0.2)]
+
+
+def test_mean_running_weights_each_step_by_its_duration_and_starting_count():
+    # steps: (0, 1] from 0 running, (1, 3] from 2, (3, 4] from 2, (4, 8] from 3
+    assert bv.mean_running(TIMELINE) == pytest.approx((0 + 2 * 2 + 2 * 1 + 3 * 4) / 8)
+
+
+def test_mean_running_queued_counts_only_steps_that_left_requests_waiting():
+    # (0, 1] ended with 2 running, 3 waiting; (1, 3] with 2 running, 1 waiting; then none wait
+    assert bv.mean_running_queued(TIMELINE) == pytest.approx((2 * 1 + 2 * 2) / 3)
+    assert bv.mean_running_queued([(1.0, 4, 0, 0.1), (2.0, 4, 0, 0.1)]) is None
+
+
+def test_the_table_reads_runs_saved_before_the_queued_column():
+    run = {"setting": "dense", "pool_blocks": 10, "freed_blocks": None, "preemptions": 0,
+           "peak_running": 3, "mean_running": 1.75, "gen_tok_per_s": 1.0, "ttft_p50_s": 1.0,
+           "ttft_p99_s": 2.0, "tpot_p50_s": 0.1, "tpot_p99_s": 0.2, "makespan_s": 8.0,
+           "hits": 4, "n": 4, "timeline": TIMELINE}
+    meta = {"machine": "m", "vllm": "0.32.0", "dtype": "float32", "commit": "c", "n": 4,
+            "prompt_tokens": 10, "gen": 4, "pool_requests": 1}
+    row = bv.table([run], meta).splitlines()[-1]
+    assert row.startswith("| dense | 3 | 1.8 | 2.0 | 1.00 | 1.00 |")
