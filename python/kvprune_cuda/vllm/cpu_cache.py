@@ -9,6 +9,11 @@ pseudo-head d of token t sits at ``d * block_size + t`` (K) or ``t * D + d`` (V)
 affine in (d, t), so :func:`kvprune_cuda.paged.compact` moves it with layout "HND" and the
 head's kept indices repeated over the D pseudo-heads. (ISA "amx" interleaves token pairs
 in V, which no strided view describes; :mod:`kvprune_cuda.vllm.worker` selects "vec".)
+
+An fp8 cache (``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2") has the same layout with
+one-byte elements, each ``k / k_scale`` (``v / v_scale``) rounded to fp8; vLLM allocates it
+as uint8, and the worker views it as its fp8 dtype (:data:`FP8_CACHE_DTYPES`) before using
+these functions. Compaction moves the bytes unchanged, so the layer's scales stay valid.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from __future__ import annotations
 import torch
 
 from kvprune_cuda import paged
+
+# vLLM's fp8 ``kv_cache_dtype`` names (those CPU_ATTN supports) -> the element dtype they store
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2}
 
 
 def head_views(kv_cache: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,18 +64,27 @@ def compact_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens:
         paged.compact(k, v, block_ids, seq_lens, per_dim, layout="HND")
 
 
-def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
+                 dtype: torch.dtype = torch.float32, k_scale: float = 1.0) -> torch.Tensor:
     """[1, Hkv, num_tokens, D]: the request's keys, token-major per KV head, read through its
     blocks (a copy: the blocks' K halves gathered, then transposed; a view of that, last dim
-    contiguous, as kvprune's dense ops take it).
+    contiguous, as kvprune's dense ops take it). An fp8 cache's keys are dequantised as
+    vLLM's attention reads them, ``float(k) * k_scale``, into ``dtype`` (contiguous).
 
     Args:
-        kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc).
+        kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc;
+            fp8 viewed as its fp8 dtype).
         block_ids: int [n_blocks], the request's blocks in token order (covering num_tokens).
+        dtype: the keys' dtype out of an fp8 cache (the queries'); others keep theirs.
+        k_scale: the layer's fp8 K scale (vLLM's ``layer._k_scale_float``).
     """
     num_blocks, hkv, bs, two_d = kv_cache.shape
     d = two_d // 2
     per_head = kv_cache.view(num_blocks, hkv, bs * two_d)
     k = per_head[block_ids.long(), :, : bs * d]                   # K only: dim-major [D, bs]
     k = k.view(-1, hkv, d, bs).permute(1, 0, 3, 2)                # [Hkv, nb, bs, D] (a view)
-    return k.reshape(1, hkv, -1, d)[:, :, :num_tokens]
+    k = k.reshape(1, hkv, -1, d)[:, :, :num_tokens]
+    if kv_cache.dtype not in FP8_CACHE_DTYPES.values():
+        return k
+    k = k.to(dtype)
+    return k.mul_(k_scale) if k_scale != 1.0 else k

@@ -42,7 +42,7 @@ import kvprune_cuda as kp
 from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._select import kept_indices
-from kvprune_cuda.vllm.cpu_cache import compact_request, request_keys
+from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
 
@@ -66,6 +66,8 @@ class RunnerHooks:
     def __init__(self, runner, policy, decode=None) -> None:
         self.runner, self.policy, self.decode = runner, policy, decode
         self.block_size = runner.cache_config.block_size
+        # an fp8 cache (allocated as uint8) is read and compacted as its fp8 dtype
+        self.fp8 = FP8_CACHE_DTYPES.get(runner.cache_config.cache_dtype)
         self.evicted: dict[str, int] = {}  # req_id -> tokens evicted from its cache
         self.plan: list[_Row] = []         # rows compressed by the step now running
         self.recording: list[_Row] = []     # rows of earlier prefill chunks (kept: unused)
@@ -159,10 +161,13 @@ class RunnerHooks:
             self._window(row, layer, rows(row))
         blocks = lambda row: meta.block_table[  # noqa: E731
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
+        cache = module.kv_cache if self.fp8 is None else module.kv_cache.view(self.fp8)
+        keys_of = lambda row, row_blocks: request_keys(  # noqa: E731
+            cache, row_blocks, row.tokens, query.dtype, module._k_scale_float)
         for row in self.decoding:
             new_queries = rows(row)[-row.past_prompt:]  # [past_prompt, Hq, D]
             if self.decode.accumulates:
-                keys = request_keys(module.kv_cache, blocks(row), row.tokens)
+                keys = keys_of(row, blocks(row))
                 self._accumulate(row.req_id, layer, new_queries, keys, module.impl.scale)
             else:
                 self._decode_window(row.req_id, layer, new_queries)
@@ -182,10 +187,10 @@ class RunnerHooks:
                                      window=policy.window)
                 evidence[layer] = evidence[layer].gather(2, idx.long())  # kept keys' sums
             else:
-                keys = request_keys(module.kv_cache, row_blocks, row.tokens)
+                keys = keys_of(row, row_blocks)
                 idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
-            compact_request(module.kv_cache, row_blocks[None, first:], row.tokens - row.pinned,
+            compact_request(cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
             self.compactions += 1
         return output
