@@ -68,7 +68,8 @@ def run_setting(name, engine_kwargs, model_dir, reqs, args):
     llm = vllm.LLM(model_dir, dtype=args.dtype, max_model_len=args.tokens + args.gen + 64,
                    enforce_eager=True, block_size=BLOCK, seed=0, max_num_seqs=args.max_num_seqs,
                    num_gpu_blocks_override=args.pool_requests * prompt_blocks + 1,
-                   **engine_kwargs)
+                   kv_cache_dtype=args.kv_cache_dtype,
+                   tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     preemptions = []  # one entry per preemption (vLLM recomputes the request later)
@@ -175,7 +176,9 @@ def table(results, meta):
     dense = next((r for r in results if r["setting"] == "dense"), None)
     ratio = lambda a, b: "-" if dense is None or a is None or not b else f"{a / b:.2f}"  # noqa: E731
     lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']} (chunked prefill and prefix "
-             f"caching on); {meta['dtype']}; commit {meta['commit']}",
+             f"caching on); {meta['dtype']}, KV cache "
+             f"{meta.get('kv_cache_dtype', 'auto')}, TP={meta.get('tensor_parallel_size', 1)}; "
+             f"commit {meta['commit']}",
              f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
              f"generated; pool {results[0]['pool_blocks']} blocks of {BLOCK} "
              f"(= {meta['pool_requests']} dense requests)", "",
@@ -217,6 +220,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="model and KV dtype (float32: bf16 runs ~6x slower on CPUs without "
                          "AVX-512 BF16)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="vLLM's kv_cache_dtype for every setting (fp8 on the CPU backend needs "
+                         "AVX-512 or AMX)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM ranks (CPU: one core each, VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--plain", action="store_true", help="also run vLLM without kvprune")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense run (the x dense columns then read '-')")
@@ -253,7 +262,9 @@ def main() -> None:
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
     meta = {**common.run_meta(), "vllm": vllm.__version__,
             "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),
-            "gen": args.gen, "pool_requests": args.pool_requests, "dtype": args.dtype}
+            "gen": args.gen, "pool_requests": args.pool_requests, "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "tensor_parallel_size": args.tensor_parallel_size}
     text = table(results, meta)
     print(text)
     common.write_json(args.out, {"meta": meta, "results": results})

@@ -153,24 +153,34 @@ def test_chunked_prefill_compresses_at_the_last_chunk(model_dir, hf_model, promp
     assert out == hf_snapkv(hf_model, prompts)
 
 
-def test_tensor_parallel_2_equals_tp1(model_dir, hf_model, prompts):
-    """tensor_parallel_size=2 (two CPU ranks, one KV head each): every rank compacts its own
-    heads with the same kept count (it depends only on the prompt), no communication; the
-    tokens equal TP=1's (which equal kp.hf.compress's) and the same blocks are freed."""
+def run_in_process(model_dir, prompts, max_tokens, **engine):
+    """engine_run.py's result for one engine in a process of its own, or the
+    CalledProcessError of one that failed (its stderr: vLLM's error)."""
     import json
     import pathlib
     import subprocess
     import sys
 
-    script = pathlib.Path(__file__).with_name("tp_run.py")
-    run = subprocess.run([sys.executable, str(script), model_dir, json.dumps(prompts),
-                          str(BUDGET), str(NEW_TOKENS), str(BLOCK)],
+    script = pathlib.Path(__file__).with_name("engine_run.py")
+    job = {"prompts": prompts, "max_tokens": max_tokens, "block": BLOCK, "engine": engine}
+    run = subprocess.run([sys.executable, str(script), model_dir, json.dumps(job)],
                          capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("TP_RESULT "))
-    result = json.loads(line.split(" ", 1)[1])
+    if run.returncode:
+        return subprocess.CalledProcessError(run.returncode, script.name, run.stdout,
+                                             run.stderr)
+    line = next(l for l in run.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_tensor_parallel_2_equals_tp1(model_dir, hf_model, prompts):
+    """tensor_parallel_size=2 (two CPU ranks, one KV head each): every rank compacts its own
+    heads with the same kept count (it depends only on the prompt), no communication; the
+    tokens equal TP=1's (which equal kp.hf.compress's) and the same blocks are freed."""
+    result = run_in_process(model_dir, prompts, NEW_TOKENS, tensor_parallel_size=2,
+                            **kp.vllm.engine_args("snapkv", BUDGET))
+    assert isinstance(result, dict), result.stderr[-3000:]
     assert result["tokens"] == hf_snapkv(hf_model, prompts)
-    assert result["freed"] == expected_freed("snapkv")
+    assert result["freed"] == expected_freed("snapkv") and result["pool_whole"]
     layers = hf_model.config.num_hidden_layers
     assert [r["compactions"] for r in result["ranks"]] == [len(PROMPT_LENS) * layers] * 2
 

@@ -66,9 +66,17 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
 
 
 def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
-    """The decode-time rule in the engine's configuration (None: none)."""
+    """The decode-time rule in the engine's configuration (None: none). A rule refuses
+    speculative decoding: its compaction steps would count draft tokens that vLLM may reject."""
     rule = _config(vllm_config).get("decode")
-    return None if rule is None else policies.make_decode(**rule)
+    if rule is None:
+        return None
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise NotImplementedError(
+            "speculative_config: kvprune_cuda.vllm's decode-time rule (decode=) does not run "
+            "with speculative decoding; compress the prompt only (decode=None) or turn "
+            "speculative decoding off")
+    return policies.make_decode(**rule)
 
 
 def kept_tokens(policy: "policies.Policy", prompt_len: int, pinned: int = 0) -> Optional[int]:
