@@ -299,6 +299,25 @@ def test_bad_arguments(model):
     assert hf.resolve_budget is kp.policy.resolve_budget
 
 
+@pytest.mark.parametrize("decode", [{}, {"decode": "streaming", "max_held": 48, "interval": 16}])
+def test_candidate_generation_on_a_compressed_cache_is_refused(model, gen, decode):
+    # Prompt-lookup (like assisted) generation rolls the cache back to the accepted tokens,
+    # which a compressed cache cannot do: it used to continue silently with rejected tokens'
+    # K/V in the cache (other tokens from the second one on). Plain greedy stays allowed.
+    prompt = _ids(gen, 1, 120)
+    prompt = torch.cat([prompt, prompt[:, :30]], 1)  # repeats: candidates get proposed
+    with hf.compress(model, policy="snapkv", budget=0.3, window=8, **decode):
+        _gen(model, prompt, n=40)
+        with pytest.raises(ValueError, match="cache_position: .* cannot be rolled back"):
+            with torch.no_grad():
+                model.generate(input_ids=prompt, max_new_tokens=40, min_new_tokens=40,
+                               do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3,
+                               max_matching_ngram_size=1)
+    assert _gen(model, prompt, n=40).tolist() == model.generate(
+        input_ids=prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0,
+        prompt_lookup_num_tokens=3, max_matching_ngram_size=1).tolist()  # exact when dense
+
+
 def test_h2o_scores_are_accumulated_attention(model, gen):
     """The H2O score of a key = sum over every prompt query of its attention probability, mean
     over the query heads of its KV head (eager attention weights as the oracle)."""

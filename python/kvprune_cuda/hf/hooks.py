@@ -154,7 +154,14 @@ class KVCompressor:
                 self.prefill_valid = torch.cat([self.prefill_valid, new_valid], 1)
             return args, kwargs
         pos = torch.arange(self.seen, self.seen + q, device=x.device)
-        if self._has_cache_position and kwargs.get("cache_position") is None:
+        given = kwargs.get("cache_position")
+        if isinstance(given, torch.Tensor) and given.numel() and int(given[0]) != self.seen:
+            raise ValueError(
+                f"cache_position: the new tokens start at position {int(given[0])}, but the "
+                f"compressed cache already holds positions up to {self.seen - 1}; a compressed "
+                "cache cannot be rolled back (assisted or prompt-lookup generation, a cropped "
+                "cache). Generate without candidates, or start from a new cache")
+        if self._has_cache_position and given is None:
             kwargs["cache_position"] = pos
         if kwargs.get("position_ids") is None:
             cp = kwargs.get("cache_position")
