@@ -299,23 +299,45 @@ def test_bad_arguments(model):
     assert hf.resolve_budget is kp.policy.resolve_budget
 
 
-@pytest.mark.parametrize("decode", [{}, {"decode": "streaming", "max_held": 48, "interval": 16}])
-def test_candidate_generation_on_a_compressed_cache_is_refused(model, gen, decode):
-    # Prompt-lookup (like assisted) generation rolls the cache back to the accepted tokens,
-    # which a compressed cache cannot do: it used to continue silently with rejected tokens'
-    # K/V in the cache (other tokens from the second one on). Plain greedy stays allowed.
+def _lookup_gen(model, ids, n=40):
+    """Greedy prompt-lookup generation: candidates from earlier n-grams, the cache rolled back
+    past the rejected ones."""
+    with torch.no_grad():
+        return model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0, prompt_lookup_num_tokens=3,
+                              max_matching_ngram_size=1)
+
+
+@pytest.mark.parametrize("policy, decode", [
+    ("snapkv", {}), ("snapkv", {"decode": "streaming", "max_held": 48, "interval": 16}),
+    ("full", {"decode": "snapkv", "max_held": 48, "interval": 16})])
+def test_candidate_generation_on_a_compressed_cache_is_refused(model, gen, policy, decode):
+    # Rolling the cache back past rejected candidates cannot undo a compression or a decode
+    # rule's evidence: it used to continue silently with other tokens from the second on.
     prompt = _ids(gen, 1, 120)
     prompt = torch.cat([prompt, prompt[:, :30]], 1)  # repeats: candidates get proposed
-    with hf.compress(model, policy="snapkv", budget=0.3, window=8, **decode):
-        _gen(model, prompt, n=40)
-        with pytest.raises(ValueError, match="cache_position: .* cannot be rolled back"):
-            with torch.no_grad():
-                model.generate(input_ids=prompt, max_new_tokens=40, min_new_tokens=40,
-                               do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3,
-                               max_matching_ngram_size=1)
-    assert _gen(model, prompt, n=40).tolist() == model.generate(
-        input_ids=prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0,
-        prompt_lookup_num_tokens=3, max_matching_ngram_size=1).tolist()  # exact when dense
+    with hf.compress(model, policy=policy, budget=0.3, window=8, **decode):
+        with pytest.raises(ValueError, match="cache_position: .* cannot be cropped or rolled"):
+            _lookup_gen(model, prompt)
+
+
+def test_a_cropped_compressed_cache_is_refused(model, gen):
+    # The length check alone (a forward without cache_position, as newer transformers make).
+    prompt = _ids(gen, 1, 120)
+    cache = transformers.DynamicCache()
+    with hf.compress(model, policy="snapkv", budget=0.3, window=8), torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt[:, -1:], past_key_values=cache, use_cache=True)  # decoding is fine
+        cache.crop(cache.get_seq_length() - 2)
+        with pytest.raises(ValueError, match="cache_position: .* cannot be cropped or rolled"):
+            model(prompt[:, -1:], past_key_values=cache, use_cache=True)
+
+
+def test_candidate_generation_without_compression_is_exact(model, gen):
+    prompt = _ids(gen, 1, 120)
+    prompt = torch.cat([prompt, prompt[:, :30]], 1)
+    with hf.compress(model, policy="full"):
+        assert torch.equal(_lookup_gen(model, prompt), _gen(model, prompt, n=40))
 
 
 def test_h2o_scores_are_accumulated_attention(model, gen):

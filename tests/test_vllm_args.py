@@ -118,3 +118,17 @@ def test_a_policy_subclass_is_refused():
 
     with pytest.raises(ValueError, match="policy: .*subclass"):
         kp.vllm.engine_args(Mine())
+
+
+def test_speculative_decoding_beyond_ngram_prompt_compression_is_refused():
+    def cfg(method, **decode):
+        args = kp.vllm.engine_args("snapkv", 0.2, **decode)
+        return type("Cfg", (), {"additional_config": args["additional_config"],
+                                "speculative_config": type("Spec", (), {"method": method})})
+
+    assert _policy.from_vllm_config(cfg("ngram")).name == "snapkv"
+    for method in ("eagle", "draft_model", "mtp"):
+        with pytest.raises(NotImplementedError, match="speculative_config: .*'ngram'"):
+            _policy.from_vllm_config(cfg(method))
+    with pytest.raises(NotImplementedError, match="speculative_config: .*decode-time rule"):
+        _policy.from_vllm_config(cfg("ngram", decode="streaming", max_held=64, interval=32))

@@ -9,8 +9,8 @@ registered twice).
 JOB_JSON: {"prompts": [[token ids]...], "max_tokens": N, "block": B, "engine": {vllm.LLM
 keyword arguments beyond the tests' common ones, kp.vllm.engine_args's included}}.
 Prints one line "ENGINE_RESULT {json}": the tokens, the blocks kvprune freed, whether the pool
-is whole again, each rank's kvprune stats (when kvprune's worker runs), the engine steps and
-the speculative draft tokens scheduled. A failure to build the engine exits non-zero with vLLM's error.
+is whole again, each rank's kvprune stats (when kvprune's worker runs) and the speculative
+draft tokens scheduled. A failure to build the engine exits non-zero with vLLM's error.
 """
 
 import json
@@ -26,8 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main() -> None:
     model_dir, job = sys.argv[1], json.loads(sys.argv[2])
     engine = job["engine"]
-    if engine.get("tensor_parallel_size", 1) == 2:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    ranks = engine.get("tensor_parallel_size", 1)
+    if ranks > 1:  # one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
     import vllm
 
     llm = vllm.LLM(model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
@@ -54,7 +55,7 @@ def main() -> None:
         "freed": getattr(scheduler, "kvprune_freed_blocks", 0),
         "pool_whole": pool.get_num_free_blocks() == pool.num_gpu_blocks - 1,  # block 0: null
         "ranks": llm.collective_rpc("kvprune_stats") if kvprune else [],
-        "steps": len(drafts), "draft_tokens": sum(drafts)}))
+        "draft_tokens": sum(drafts)}))
 
 
 if __name__ == "__main__":

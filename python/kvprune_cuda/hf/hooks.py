@@ -91,6 +91,7 @@ class KVCompressor:
         self.prefill_valid: Optional[torch.Tensor] = None  # bool [B, N] of the prefill
         self._new_valid: Optional[torch.Tensor] = None     # bool [B, q] of the current forward
         self._cache = None                                 # the cache of the forward running
+        self._left: Optional[int] = None  # cache length the last forward left (None: unknown)
 
     @property
     def compressed(self) -> bool:
@@ -111,6 +112,7 @@ class KVCompressor:
         self.layers = [s.copy() for s in snap["layers"]]
         self.seen, self.prompt_len = snap["seen"], snap["prompt_len"]
         self.compressed_len, self.prefill_valid = snap["compressed_len"], snap["prefill_valid"]
+        self._left = None
 
     # ----------------------------------------------------------------- hooks
     def attach(self) -> "KVCompressor":
@@ -138,6 +140,7 @@ class KVCompressor:
         if held == 0:
             self.reset()
         self._cache = cache
+        self._refuse_rollback(held, kwargs.get("cache_position"))
         mask = kwargs.get("attention_mask")
         mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         new_valid = (mask2d[:, -q:].bool() if mask2d is not None
@@ -154,14 +157,7 @@ class KVCompressor:
                 self.prefill_valid = torch.cat([self.prefill_valid, new_valid], 1)
             return args, kwargs
         pos = torch.arange(self.seen, self.seen + q, device=x.device)
-        given = kwargs.get("cache_position")
-        if isinstance(given, torch.Tensor) and given.numel() and int(given[0]) != self.seen:
-            raise ValueError(
-                f"cache_position: the new tokens start at position {int(given[0])}, but the "
-                f"compressed cache already holds positions up to {self.seen - 1}; a compressed "
-                "cache cannot be rolled back (assisted or prompt-lookup generation, a cropped "
-                "cache). Generate without candidates, or start from a new cache")
-        if self._has_cache_position and given is None:
+        if self._has_cache_position and kwargs.get("cache_position") is None:
             kwargs["cache_position"] = pos
         if kwargs.get("position_ids") is None:
             cp = kwargs.get("cache_position")
@@ -171,8 +167,26 @@ class KVCompressor:
 
     def _base_post(self, module, args, kwargs, output):
         self.seen += self._new_valid.shape[1]
+        self._left = None if self._cache is None else self._cache.get_seq_length()
         self._cache = self._new_valid = None  # the forward's own: nothing outlives it
         return output
+
+    def _refuse_rollback(self, held: int, cache_position) -> None:
+        """A cache that was compressed, or whose decode evidence is recorded, cannot be
+        rolled back: raises if it is shorter or longer than the last forward left it
+        (cropped) or if the new tokens do not start where that forward ended."""
+        if (not self.compressed and self.decode is None) or self._reconstruction is not None:
+            return
+        start = (int(cache_position[0]) if isinstance(cache_position, torch.Tensor)
+                 and cache_position.numel() else self.seen)
+        if held == 0 or ((self._left is None or held == self._left) and start == self.seen):
+            return
+        raise ValueError(
+            f"cache_position: the new tokens start at position {start} of a cache holding "
+            f"{held} tokens, but kvprune's last forward ended at position {self.seen} with "
+            f"{self._left} tokens held: a compressed cache (or one under a decode-time rule) "
+            "cannot be cropped or rolled back, as assisted and prompt-lookup generation do, "
+            "nor handed to a second generate(); generate without candidates, from a new cache")
 
     def _attn_pre(self, module, args, kwargs):
         st = self.layers[module.layer_idx]
@@ -347,7 +361,7 @@ class KVCompressor:
         kept = self.policy.kept_tokens(n) if kept is None else kept
         held = select.compress_layer(self.layers[i], cache, i, self.policy, kept,
                                      self.prefill_valid, scores)
-        self.prompt_len, self.compressed_len = n, held
+        self.prompt_len, self.compressed_len, self._left = n, held, None
 
     def compress_cache(self, cache, policy: Optional["policies.Policy"] = None,
                        budget: Union[int, float, None] = None, scope: str = "layer") -> None:
@@ -359,7 +373,7 @@ class KVCompressor:
         n = cache_kv(cache, 0)[0].shape[2]
         self.compressed_len = select.compress_cache(self.layers, cache, policy, budget, scope,
                                                     self.prefill_valid)
-        self.prompt_len, self.policy = n, policy
+        self.prompt_len, self.policy, self._left = n, policy, None
 
 
 @contextlib.contextmanager

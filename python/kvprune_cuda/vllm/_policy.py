@@ -59,24 +59,37 @@ def _config(vllm_config) -> dict:
 
 
 def from_vllm_config(vllm_config) -> "policies.Policy":
-    """The prompt's policy in the engine's configuration."""
+    """The prompt's policy in the engine's configuration (refused beside speculative decoding
+    it cannot follow: :func:`_check_speculative`)."""
     config = _config(vllm_config)
+    _check_speculative(getattr(vllm_config, "speculative_config", None), config)
     config.pop("decode", None)
     return engine_policy(**{"policy": None, **config})
 
 
-def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
-    """The decode-time rule in the engine's configuration (None: none). A rule refuses
-    speculative decoding: its compaction steps would count draft tokens that vLLM may reject."""
-    rule = _config(vllm_config).get("decode")
-    if rule is None:
-        return None
-    if getattr(vllm_config, "speculative_config", None) is not None:
+def _check_speculative(speculative_config, config: dict) -> None:
+    """Speculative decoding runs beside the prompt's compression with n-gram drafts only: a
+    drafter with a model of its own keeps KV layers that kvprune would not compact; and not
+    with a decode-time rule, whose compaction steps would count drafts vLLM may reject."""
+    if speculative_config is None:
+        return
+    if config.get("decode") is not None:
         raise NotImplementedError(
             "speculative_config: kvprune_cuda.vllm's decode-time rule (decode=) does not run "
             "with speculative decoding; compress the prompt only (decode=None) or turn "
             "speculative decoding off")
-    return policies.make_decode(**rule)
+    method = getattr(speculative_config, "method", None)
+    if method != "ngram":
+        raise NotImplementedError(
+            f"speculative_config: kvprune_cuda.vllm runs beside n-gram drafts only (method "
+            f"'ngram'), not {method!r}, whose draft model keeps a KV cache kvprune does not "
+            "compact")
+
+
+def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
+    """The decode-time rule in the engine's configuration (None: none)."""
+    rule = _config(vllm_config).get("decode")
+    return None if rule is None else policies.make_decode(**rule)
 
 
 def kept_tokens(policy: "policies.Policy", prompt_len: int, pinned: int = 0) -> Optional[int]:

@@ -69,7 +69,8 @@ def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     """[1, Hkv, num_tokens, D]: the request's keys, token-major per KV head, read through its
     blocks (a copy: the blocks' K halves gathered, then transposed; a view of that, last dim
     contiguous, as kvprune's dense ops take it). An fp8 cache's keys are dequantised as
-    vLLM's attention reads them, ``float(k) * k_scale``, into ``dtype`` (contiguous).
+    vLLM's attention reads them, ``float(k) * k_scale``, into ``dtype`` (exact in fp32;
+    rounded once more in bf16 / fp16).
 
     Args:
         kv_cache: one layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` (module doc;
@@ -83,7 +84,9 @@ def request_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     per_head = kv_cache.view(num_blocks, hkv, bs * two_d)
     k = per_head[block_ids.long(), :, : bs * d]                   # K only: dim-major [D, bs]
     k = k.view(-1, hkv, d, bs).permute(1, 0, 3, 2)                # [Hkv, nb, bs, D] (a view)
-    k = k.reshape(1, hkv, -1, d)[:, :, :num_tokens]
+    k = k.reshape(1, hkv, -1, d)[:, :, :num_tokens]  # one block: a view, D strided
+    if k.stride(-1) != 1:
+        k = k.contiguous()
     if kv_cache.dtype not in FP8_CACHE_DTYPES.values():
         return k
     k = k.to(dtype)
