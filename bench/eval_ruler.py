@@ -42,7 +42,9 @@ in the answer (the score can no longer change).
     .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k.json --plot bench/results/ruler_4k.png
     .venv/bin/python bench/eval_ruler.py --quick      # tiny random model, no download (CI)
 
-``--threads`` (default 1) sets torch's threads: the 2-core machine is shared.
+``--table`` also prints a task-family table (each family the mean of its tasks' means) and, per
+family, our best query-aware and query-agnostic settings against kvpress's best press on the
+samples that press ran. ``--threads`` (default 1) sets torch's threads: the 2-core machine is shared.
 """
 
 from __future__ import annotations
@@ -463,7 +465,81 @@ def table(data) -> str:
             "query-aware); seconds: the config's own compression and answer, the shared "
             "prefills apart. Samples "
             "per task: " + ", ".join(f"{t} {n}" for t, n in n_samples.items()) + ".")
-    return out + "\n\n" + headline(data)
+    return out + "\n\n" + family_table(data) + "\n\n" + versus_kvpress(data) + "\n\n" + headline(data)
+
+
+def _sample_scores(data, name, tasks) -> dict:
+    """{(task, index): score} of config ``name`` on the samples of ``tasks``."""
+    return {(r["task"], r["index"]): r["results"][name]["score"] for r in data["records"]
+            if r["task"] in tasks and name in r["results"]}
+
+
+def _family_score(scores: dict) -> Optional[float]:
+    """A family's score: the mean over its tasks of each task's mean (tasks weigh equally
+    whatever their sample counts)."""
+    by_task: dict = {}
+    for (task, _), x in scores.items():
+        by_task.setdefault(task, []).append(x)
+    return _mean([_mean(xs) for xs in by_task.values()]) if by_task else None
+
+
+def family_table(data) -> str:
+    """config x task family: the family's score (:func:`_family_score`), the mean over the
+    families every config ran, and the ratio of that mean to full's."""
+    fams = [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
+    names = sorted({n for r in data["records"] for n in r["results"]},
+                   key=lambda n: (n != "full", split_name(n)[1] or 0, list(SETTINGS).index(split_name(n)[0])))
+    cell = {(n, f): _family_score(_sample_scores(data, n, rt.FAMILIES[f])) for n in names for f in fams}
+    common_fams = [f for f in fams if all(cell[n, f] is not None for n in names)]
+    full_mean = _mean([cell["full", f] for f in common_fams]) if "full" in names else None
+    rows = ["| config | " + " | ".join(fams) + " | mean of families | x full |",
+            "|---" * (len(fams) + 3) + "|"]
+    for n in names:
+        m = _mean([cell[n, f] for f in common_fams])
+        ratio = "n/a" if m is None or not full_mean else f"{m / full_mean:.3f}"
+        rows.append(f"| {n} | " + " | ".join("" if cell[n, f] is None else f"{100 * cell[n, f]:.0f}"
+                                            for f in fams)
+                    + f" | {'' if m is None else f'{100 * m:.1f}'} | {ratio} |")
+    return ("\n".join(rows) + "\n\nPer task family: the mean over its tasks of each task's mean score "
+            "(x100); mean of families: over the families every config ran ("
+            + (", ".join(common_fams) or "none") + ").")
+
+
+def versus_kvpress(data) -> str:
+    """Per task family and budget: our best query-aware and best query-agnostic setting against
+    kvpress's best press, each scored on the samples that press ran."""
+    lines = ["Ours against kvpress's best press, per family (each on the samples that press ran):", ""]
+    budgets = sorted({split_name(n)[1] for r in data["records"] for n in r["results"]
+                      if SETTINGS[split_name(n)[0]][0] == "kvpress"})
+    names = {n for r in data["records"] for n in r["results"]}
+    for b in budgets:
+        at = [n for n in names if split_name(n)[1] == b]
+        for fam, tasks in rt.FAMILIES.items():
+            presses = {n: _sample_scores(data, n, tasks) for n in at if SETTINGS[split_name(n)[0]][0] == "kvpress"}
+            presses = {n: s for n, s in presses.items() if s}
+            if not presses:
+                continue
+            best = max(presses, key=lambda n: (_family_score(presses[n]), len(presses[n]), n))
+            keys = presses[best].keys()
+            verdict = []
+            for kind in ("aware", "agnostic"):
+                ours = {}
+                for n in at:
+                    if SETTINGS[split_name(n)[0]][0] == kind:
+                        s = _sample_scores(data, n, tasks)
+                        if keys <= s.keys():
+                            ours[n] = _family_score({k: s[k] for k in keys})
+                if not ours:
+                    verdict.append(f"no query-{kind} setting on those samples")
+                    continue
+                top = max(ours, key=lambda n: (ours[n], n))
+                ok = ours[top] >= _family_score(presses[best])
+                verdict.append(f"query-{kind} {top} {100 * ours[top]:.0f} ({'>=' if ok else '<'})")
+            lines.append(f"- {fam} at {b:.0%}: {best} {100 * _family_score(presses[best]):.0f} "
+                         f"({len(keys)} sample{'s' * (len(keys) != 1)}); " + "; ".join(verdict))
+    if len(lines) == 2:
+        lines.append("- no kvpress results in these files")
+    return "\n".join(lines)
 
 
 def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP) -> str:

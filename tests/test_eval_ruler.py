@@ -246,6 +246,29 @@ def test_headline_and_table():
     assert "| kvpress-kvzip@16% | 100 (2) | 0 (2) | 50.0 | 0.556 |" in t
 
 
+def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_samples():
+    def rec(task, i, full, snap, kvzip, press=None):
+        scores = {"full": full, "snapkv-aware@16%": snap, "kvzip-head@16%": kvzip}
+        if press is not None:
+            scores["kvpress-snapkv@16%"] = press
+        return {"task": task, "index": i, "refs": ["x"], "results": {
+            n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
+    data = {"records": [rec("niah_multikey_1", 0, 1.0, 1.0, 0.0, 0.0),
+                        rec("niah_multikey_1", 1, 1.0, 1.0, 1.0),
+                        rec("niah_multikey_2", 0, 1.0, 0.0, 1.0, 0.5),
+                        rec("vt", 0, 1.0, 1.0, 1.0, 1.0)]}
+    t = er.family_table(data)
+    # snapkv-aware: multikey_1 mean 1.0, multikey_2 mean 0.0 -> family 50 (not 67 per sample)
+    assert "| snapkv-aware@16% | 50 | 100 | 75.0 | 0.750 |" in t
+    assert "| kvpress-snapkv@16% | 25 | 100 | 62.5 | 0.625 |" in t
+    v = er.versus_kvpress(data)
+    # on the press's two multi-key samples (multikey_1#0, multikey_2#0): snapkv 1.0 / 0.0 -> 50,
+    # kvzip 0.0 / 1.0 -> 50; the press: 0.0 / 0.5 -> 25
+    assert ("- niah_multikey at 16%: kvpress-snapkv@16% 25 (2 samples); query-aware "
+            "snapkv-aware@16% 50 (>=); query-agnostic kvzip-head@16% 50 (>=)") in v
+    assert "- vt at 16%: kvpress-snapkv@16% 100 (1 sample); query-aware snapkv-aware@16% 100 (>=)" in v
+
+
 def _rename(data, m):
     for r in data["records"]:
         r["results"] = {(m[k.split("@")[0]] + "@" + k.split("@")[1] if "@" in k else k): v
