@@ -567,32 +567,50 @@ def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP)
 
 
 def plot(data, path: Path) -> None:
+    """Score vs budget per task family (one panel per family, a line per setting); with a
+    single budget, one bar per setting in each family group instead (family scores as in
+    :func:`family_table`), ours solid and kvpress's hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fams = [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
-    fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams), 3.4), squeeze=False)
-    for ax, fam in zip(axes[0], fams):
-        tasks = rt.FAMILIES[fam]
-        recs = [r for r in data["records"] if r["task"] in tasks]
-        full = _mean([r["results"]["full"]["score"] for r in recs if "full" in r["results"]])
-        settings = list(dict.fromkeys(split_name(n)[0] for r in recs for n in r["results"]))
-        for s in settings:
-            if s == "full":
-                continue
-            pts = sorted({split_name(n)[1] for r in recs for n in r["results"] if split_name(n)[0] == s})
-            ys = [_mean([r["results"][config_name(s, b)]["score"] for r in recs
-                         if config_name(s, b) in r["results"]]) for b in pts]
-            ax.plot([100 * b for b in pts], [100 * y for y in ys], marker="o", label=s)
-        if full is not None:
-            ax.axhline(100 * full, color="k", ls="--", label="full")
-        ax.set_title(fam)
-        ax.set_xlabel("budget (% of tokens)")
-        ax.set_ylim(-5, 105)
-    axes[0][0].set_ylabel("score (x100)")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    budgets = sorted({split_name(n)[1] for r in data["records"] for n in r["results"]} - {None})
+    settings = [s for s in SETTINGS if any(split_name(n)[0] == s for r in data["records"] for n in r["results"])]
+    colors = plt.get_cmap("tab20").colors
+    if len(budgets) == 1:
+        names = [config_name(s, budgets[0]) for s in settings]
+        fig, ax = plt.subplots(figsize=(1.6 * len(fams) + 3, 3.8))
+        w = 0.8 / len(names)
+        for j, (s, nm) in enumerate(zip(settings, names)):
+            ys = [_family_score(_sample_scores(data, nm, rt.FAMILIES[f])) for f in fams]
+            ax.bar([i + (j - len(names) / 2) * w for i in range(len(fams))],
+                   [0 if y is None else 100 * y for y in ys], w, label=nm, color=colors[j % 20],
+                   hatch="//" if SETTINGS[s][0] == "kvpress" else None, edgecolor="k", linewidth=0.3)
+        ax.set_xticks(range(len(fams)), fams)
+        ax.set_ylabel("score (x100)")
+        ax.set_title(f"RULER-style, {budgets[0]:.0%} of the tokens kept (full: 100 % kept)")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    else:
+        fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams), 3.4), squeeze=False)
+        for ax, fam in zip(axes[0], fams):
+            recs = [r for r in data["records"] if r["task"] in rt.FAMILIES[fam]]
+            full = _mean([r["results"]["full"]["score"] for r in recs if "full" in r["results"]])
+            for j, s in enumerate(settings):
+                if s == "full":  # the dashed line
+                    continue
+                pts = sorted({split_name(n)[1] for r in recs for n in r["results"] if split_name(n)[0] == s} - {None})
+                ys = [_mean([r["results"][config_name(s, b)]["score"] for r in recs
+                             if config_name(s, b) in r["results"]]) for b in pts]
+                ax.plot([100 * b for b in pts], [100 * y for y in ys], marker="o", label=s, color=colors[j % 20])
+            if full is not None:
+                ax.axhline(100 * full, color="k", ls="--", label="full")
+            ax.set_title(fam)
+            ax.set_xlabel("budget (% of tokens)")
+            ax.set_ylim(-5, 105)
+        axes[0][0].set_ylabel("score (x100)")
+        axes[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
