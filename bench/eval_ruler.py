@@ -441,8 +441,7 @@ def ratio_to_full(data, name, tasks) -> Optional[float]:
 def table(data) -> str:
     sm = summary(data)
     tasks = [t for t in rt.TASKS if any(r["task"] == t for r in data["records"])]
-    names = sorted(sm["scores"], key=lambda n: (n != "full", split_name(n)[1] or 0,
-                                                 list(SETTINGS).index(split_name(n)[0])))
+    names = sorted(sm["scores"], key=_config_order)
     head = "| config | " + " | ".join(tasks) + " | mean | x full | KV held (MiB, mean) | seconds (mean) |"
     rows = [head, "|---" * (len(tasks) + 5) + "|"]
     for nm in names:
@@ -468,6 +467,22 @@ def table(data) -> str:
     return out + "\n\n" + family_table(data) + "\n\n" + versus_kvpress(data) + "\n\n" + headline(data)
 
 
+def _config_order(name: str) -> tuple:
+    """Table order: full, then by budget, then in SETTINGS order."""
+    setting, frac = split_name(name)
+    return name != "full", frac or 0, list(SETTINGS).index(setting)
+
+
+def _kind(name: str) -> str:
+    """The kind of a config name: "full", "aware", "agnostic" or "kvpress"."""
+    return SETTINGS[split_name(name)[0]][0]
+
+
+def _families(data) -> list:
+    """The task families with at least one record, in FAMILIES order."""
+    return [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
+
+
 def _sample_scores(data, name, tasks) -> dict:
     """{(task, index): score} of config ``name`` on the samples of ``tasks``."""
     return {(r["task"], r["index"]): r["results"][name]["score"] for r in data["records"]
@@ -486,9 +501,8 @@ def _family_score(scores: dict) -> Optional[float]:
 def family_table(data) -> str:
     """config x task family: the family's score (:func:`_family_score`), the mean over the
     families every config ran, and the ratio of that mean to full's."""
-    fams = [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
-    names = sorted({n for r in data["records"] for n in r["results"]},
-                   key=lambda n: (n != "full", split_name(n)[1] or 0, list(SETTINGS).index(split_name(n)[0])))
+    fams = _families(data)
+    names = sorted({n for r in data["records"] for n in r["results"]}, key=_config_order)
     cell = {(n, f): _family_score(_sample_scores(data, n, rt.FAMILIES[f])) for n in names for f in fams}
     common_fams = [f for f in fams if all(cell[n, f] is not None for n in names)]
     full_mean = _mean([cell["full", f] for f in common_fams]) if "full" in names else None
@@ -505,37 +519,38 @@ def family_table(data) -> str:
             + (", ".join(common_fams) or "none") + ").")
 
 
+def _best_on(data, names, tasks, keys) -> Optional[tuple]:
+    """(name, family score) of the best of ``names`` scored on the samples ``keys`` of
+    ``tasks``; None when none of them ran all those samples."""
+    on = {}
+    for n in names:
+        s = _sample_scores(data, n, tasks)
+        if keys <= s.keys():
+            on[n] = _family_score({k: s[k] for k in keys})
+    return max(on.items(), key=lambda kv: (kv[1], kv[0])) if on else None
+
+
 def versus_kvpress(data) -> str:
     """Per task family and budget: our best query-aware and best query-agnostic setting against
     kvpress's best press, each scored on the samples that press ran."""
     lines = ["Ours against kvpress's best press, per family (each on the samples that press ran):", ""]
-    budgets = sorted({split_name(n)[1] for r in data["records"] for n in r["results"]
-                      if SETTINGS[split_name(n)[0]][0] == "kvpress"})
     names = {n for r in data["records"] for n in r["results"]}
-    for b in budgets:
+    for b in sorted({split_name(n)[1] for n in names if _kind(n) == "kvpress"}):
         at = [n for n in names if split_name(n)[1] == b]
         for fam, tasks in rt.FAMILIES.items():
-            presses = {n: _sample_scores(data, n, tasks) for n in at if SETTINGS[split_name(n)[0]][0] == "kvpress"}
+            presses = {n: _sample_scores(data, n, tasks) for n in at if _kind(n) == "kvpress"}
             presses = {n: s for n, s in presses.items() if s}
             if not presses:
                 continue
             best = max(presses, key=lambda n: (_family_score(presses[n]), len(presses[n]), n))
-            keys = presses[best].keys()
+            keys, press_score = presses[best].keys(), _family_score(presses[best])
             verdict = []
             for kind in ("aware", "agnostic"):
-                ours = {}
-                for n in at:
-                    if SETTINGS[split_name(n)[0]][0] == kind:
-                        s = _sample_scores(data, n, tasks)
-                        if keys <= s.keys():
-                            ours[n] = _family_score({k: s[k] for k in keys})
-                if not ours:
-                    verdict.append(f"no query-{kind} setting on those samples")
-                    continue
-                top = max(ours, key=lambda n: (ours[n], n))
-                ok = ours[top] >= _family_score(presses[best])
-                verdict.append(f"query-{kind} {top} {100 * ours[top]:.0f} ({'>=' if ok else '<'})")
-            lines.append(f"- {fam} at {b:.0%}: {best} {100 * _family_score(presses[best]):.0f} "
+                top = _best_on(data, [n for n in at if _kind(n) == kind], tasks, keys)
+                verdict.append(f"no query-{kind} setting on those samples" if top is None else
+                               f"query-{kind} {top[0]} {100 * top[1]:.0f} "
+                               f"({'>=' if top[1] >= press_score else '<'})")
+            lines.append(f"- {fam} at {b:.0%}: {best} {100 * press_score:.0f} "
                          f"({len(keys)} sample{'s' * (len(keys) != 1)}); " + "; ".join(verdict))
     if len(lines) == 2:
         lines.append("- no kvpress results in these files")
@@ -575,7 +590,7 @@ def plot(data, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fams = [f for f, ts in rt.FAMILIES.items() if any(r["task"] in ts for r in data["records"])]
+    fams = _families(data)
     budgets = sorted({split_name(n)[1] for r in data["records"] for n in r["results"]} - {None})
     settings = [s for s in SETTINGS if any(split_name(n)[0] == s for r in data["records"] for n in r["results"])]
     colors = plt.get_cmap("tab20").colors
