@@ -6,8 +6,10 @@ as ``ruler_tasks.prompt_ids`` does):
 
 * ``full`` and query-aware (``<policy>-aware``, snapkv / streaming / h2o): the prompt
   (context and question: the question lies in SnapKV's observation window) but its last token
-  prefilled once per sample and scored for every policy,
-  ``sc = kp.hf.score_context(model, prompt[:, :-1], ["snapkv", "h2o"])``; per config
+  scored once per sample for every policy,
+  ``sc = kp.hf.score_context(model, prompt[:, :-1], ["snapkv", "h2o"])`` (or, when the
+  query-agnostic settings run too, their context's scoring extended by the question,
+  ``sc = scored_context.extend(question_ids[:, :-1])``: the context is prefilled once); per config
   ``sc.compress(budget=B, policy=P).generate(prompt[:, -1:], ...)`` (``P="full"``: nothing
   dropped). The budget is a fraction of those tokens. The same semantics as
   ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
@@ -198,10 +200,15 @@ def _setting_policy(setting: str, args):
     return kp.policy.make(_policies([SETTINGS[setting][1]], args)[0], **OPTIONS.get(setting, {}))
 
 
+def _ranked(names) -> set:
+    """The policies among ``names`` that rank keys by recorded evidence (not full, streaming)."""
+    return {n for n in names if kp.policy.make(n).ranks}
+
+
 def _scored(model, tok, ids, names, args):
     """``kp.hf.score_context`` of ``ids`` recording every ranking policy in ``names`` ("full"
     when none ranks); (ScoredContext, {prefill, score} seconds)."""
-    ranked = [n for n in dict.fromkeys(names) if kp.policy.make(n).ranks] or ["full"]
+    ranked = [n for n in dict.fromkeys(names) if n in _ranked(names)] or ["full"]
     window = None if "kvzip" in ranked else args.window  # the options override every policy's
     sc = kp.hf.score_context(model, ids, _policies(ranked, args), tokenizer=tok,
                              n_sink=args.n_sink, window=window, kernel_size=args.kernel_size)
@@ -228,35 +235,44 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     budget_tokens, tokens_per_layer, ...}; ``seconds`` is the config's own compression and
     answer, the shared prefills and kvzip's reconstruction are in the second dict.
 
-    full and the query-aware settings share one prefill: the prompt but its last token,
-    scored once (``kp.hf.score_context``: snapkv's window is the last ``window`` of those
-    tokens, the question's end and the answer prefix; h2o's sums are over all of them),
-    compressed per config (``ScoredContext.compress``); the prompt's last token then starts
-    the answer (``CompressedContext.generate``). The query-agnostic settings share the
-    context's prefill (and kvzip's reconstruction of it); the question follows the
-    compressed context. kvpress runs as its own pipeline does, one prefill per config.
+    full and the query-aware settings share one scoring of the prompt but its last token
+    (``kp.hf.score_context``: snapkv's window is the last ``window`` of those tokens, the
+    question's end and the answer prefix; h2o's sums are over all of them), compressed per
+    config (``ScoredContext.compress``); the prompt's last token then starts the answer
+    (``CompressedContext.generate``). The query-agnostic settings share the context's
+    prefill (and kvzip's reconstruction of it); the question follows the compressed context.
+    When both groups run and the query-aware policies are scored for the context too, the
+    prompt's scoring extends the context's (``ScoredContext.extend`` of the question but its
+    last token) instead of prefilling the context again. kvpress runs as its own pipeline
+    does, one prefill per config.
     """
     out: dict = {}
     shared: dict = {}
-    n_ctx = ctx.shape[1]
     prompt = torch.cat([ctx, qst], 1)
     aware = [(s, f) for s, f in cfgs if SETTINGS[s][0] in ("full", "aware")]
     agnostic = [(s, f) for s, f in cfgs if SETTINGS[s][0] == "agnostic"]
-    if aware:
-        sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1],
-                                       [SETTINGS[s][1] for s, _ in aware if s != "full"], args)
-        for s, f in aware:
-            policy = "full" if s == "full" else _setting_policy(s, args)
-            out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f, None,
-                                                  max_new, "after the prompt")
-        del sc
+    aware_names = list(dict.fromkeys(SETTINGS[s][1] for s, _ in aware if s != "full"))
+    context_names = [SETTINGS[s][1] for s, _ in agnostic]
+    sc = None
     if agnostic:
-        sc, shared["context"] = _scored(model, tok, ctx, [SETTINGS[s][1] for s, _ in agnostic], args)
+        sc, shared["context"] = _scored(model, tok, ctx, context_names, args)
         for s, f in agnostic:
             out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, _setting_policy(s, args), f,
                                                   SETTINGS[s][2], max_new,
                                                   "after the context")
-        del sc
+    if aware:
+        if sc is not None and qst.shape[1] > 1 and _ranked(aware_names) <= _ranked(context_names):
+            sc = sc.extend(qst[:, :-1])
+            shared["prompt"] = {"tokens": prompt.shape[1] - 1, "prefill": sc.prefill_seconds,
+                                "score": 0.0, "extends": "context"}
+        else:
+            del sc
+            sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1], aware_names, args)
+        for s, f in aware:
+            policy = "full" if s == "full" else _setting_policy(s, args)
+            out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f, None,
+                                                  max_new, "after the prompt")
+    del sc
     for s, f in cfgs:
         if SETTINGS[s][0] == "kvpress":
             out[config_name(s, f)] = _kvpress(model, tok, ctx, qst, refs, SETTINGS[s][1], f, args,

@@ -201,23 +201,58 @@ def test_quick_context_question_split_and_budgets(quick_run):
 
 
 def test_quick_agnostic_scoring_never_sees_the_question(quick_run, monkeypatch):
+    """The context is scored alone and its settings answered before the question extends it
+    for the query-aware ones (one context prefill per sample)."""
     model, samples, args, _ = quick_run
-    seen = []
-    real = kp.hf.score_context
+    seen, order = [], []
+    real_score, real_extend = kp.hf.score_context, kp.hf.ScoredContext.extend
+    real_from = er._from_scored
 
     def spy(m, ids, *a, **kw):
         seen.append(ids.clone())
-        return real(m, ids, *a, **kw)
+        return real_score(m, ids, *a, **kw)
+
+    def extend(sc, ids):
+        order.append(("extend", ids.clone()))
+        return real_extend(sc, ids)
+
+    def from_scored(sc, tok, qst, *a):
+        order.append(("answer", sc.context_ids.shape[1]))
+        return real_from(sc, tok, qst, *a)
 
     monkeypatch.setattr(kp.hf, "score_context", spy)
+    monkeypatch.setattr(kp.hf.ScoredContext, "extend", extend)
+    monkeypatch.setattr(er, "_from_scored", from_scored)
     s = samples[0]
     ctx, qst = rt.prompt_ids(TOK, s)
     res, shared = er.run_sample(model, TOK, ctx, qst, s.refs, [("full", None), ("kvzip-head", 0.5)],
                                 args, 3)
-    assert len(seen) == 2 and set(shared) == {"prompt", "context"}
-    assert torch.equal(seen[0], torch.cat([ctx, qst], 1)[:, :-1]) and torch.equal(seen[1], ctx)
-    assert s.question not in TOK.decode(seen[1][0])
+    assert len(seen) == 1 and torch.equal(seen[0], ctx) and set(shared) == {"prompt", "context"}
+    assert s.question not in TOK.decode(seen[0][0])
+    n = ctx.shape[1]
+    assert [o[0] for o in order] == ["answer", "extend", "answer"] and order[0][1] == n
+    assert torch.equal(order[1][1], qst[:, :-1]) and order[2][1] == n + qst.shape[1] - 1
+    assert shared["prompt"]["extends"] == "context"
     assert set(res) == {"full", "kvzip-head@50%"}
+
+
+def test_quick_query_aware_answers_equal_with_or_without_the_context_run(quick_run):
+    """A query-aware config answers the same from the extended context scoring as from a
+    scoring of the prompt of its own (what runs when no query-agnostic setting does)."""
+    model, samples, args, _ = quick_run
+    aware = [("full", None), ("snapkv-aware", 0.5), ("snapkv-aware-k15", 0.5), ("h2o-aware", 0.5),
+             ("streaming-aware", 0.5)]
+    agnostic = [("snapkv-agnostic", 0.5), ("h2o-agnostic", 0.5), ("kvzip-head", 0.5)]
+    for s in samples[:2]:
+        ctx, qst = rt.prompt_ids(TOK, s)
+        alone, sh_alone = er.run_sample(model, TOK, ctx, qst, s.refs, aware, args, 6)
+        both, sh_both = er.run_sample(model, TOK, ctx, qst, s.refs, aware + agnostic, args, 6)
+        assert "extends" not in sh_alone["prompt"] and sh_both["prompt"]["extends"] == "context"
+        for name in alone:
+            assert both[name]["answer"] == alone[name]["answer"], name
+            assert both[name]["tokens_per_layer"] == alone[name]["tokens_per_layer"], name
+            # alone, the context ids are a view of the whole prompt: its last id's 8 bytes too
+            assert alone[name]["kv_bytes"] - both[name]["kv_bytes"] in (0, 8), name
 
 
 def _fake(scores: dict) -> dict:

@@ -253,6 +253,38 @@ def test_global_budgets_rank_the_named_policys_scores(model, gen, scope):
     assert again.policy.name == "snapkv" and again.tokens_per_layer == [N // 2] * N_LAYERS
 
 
+@pytest.mark.parametrize("q", [5, 13])  # the window spans the context's end / lies in ids
+def test_extend_equals_scoring_the_whole(model, gen, q):
+    """ScoredContext.extend continues a scored context with more tokens (a question after a
+    document) without prefilling the context again: snapkv's window and h2o's sums are those
+    of one scoring of the whole; kvzip's evidence, of the context alone, is dropped."""
+    ctx, qst = _ids(gen, 1, N), _ids(gen, 1, q)
+    opts = dict(n_sink=SINKS, window=W)
+    base = kp.hf.score_context(model, ctx, ("kvzip", "snapkv", "h2o"), **opts,
+                               chunk_size=CHUNK, repeat_prompt=PROMPT)
+    before = base.compress(BUDGET, "layer", policy="kvzip").generate(qst[:, :1], **GEN)
+    ext = base.extend(qst)
+    whole = kp.hf.score_context(model, torch.cat([ctx, qst], 1), ("snapkv", "h2o"), **opts)
+    assert [p.name for p in ext.policies] == ["snapkv", "h2o"]
+    assert torch.equal(ext.context_ids, whole.context_ids)
+    answer = _ids(gen, 1, 2)
+    for policy in ("snapkv", "h2o", "streaming", "full"):
+        got = ext.compress(BUDGET, policy=policy)
+        want = whole.compress(BUDGET, policy=policy)
+        for a, b in zip(got.cache().layers, want.cache().layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        g, w = got.generate(answer, **GEN), want.generate(answer, **GEN)
+        assert torch.equal(g.sequences, w.sequences), policy
+    with pytest.raises(RuntimeError, match="kvzip"):
+        ext.compress(BUDGET, "layer", policy="kvzip")
+    # the scored context itself is unchanged: kvzip still compresses it as before
+    again = base.compress(BUDGET, "layer", policy="kvzip").generate(qst[:, :1], **GEN)
+    assert base.context_ids.shape[1] == N and torch.equal(again.sequences, before.sequences)
+    for bad in (qst[0], _ids(gen, 2, q), qst[:, :0]):
+        with pytest.raises(ValueError, match="ids"):
+            base.extend(bad)
+
+
 def _head_selection(scores):
     """Per layer, the kept positions of every (row, KV head) under kp.head_budgets: nested
     [B][Hkv] int64 1D (the reference's select_keep of that head's scores and count)."""

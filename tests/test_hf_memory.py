@@ -72,6 +72,10 @@ def test_scored_context_holds_what_it_reports(model, gen):
     for policy in ("kvzip", "snapkv", "h2o", "streaming"):
         scored.compress(0.1, policy=policy)
     assert reachable_bytes(scored) == before  # compressing leaves the scored context as it was
+    ext = scored.extend(_ids(gen, 1, 12))  # its own K/V of N + 12 tokens, kvzip's scores dropped
+    got = reachable_bytes(ext)
+    assert ext.nbytes <= got <= ext.nbytes + SLACK, (got, ext.nbytes)
+    assert reachable_bytes(scored) == before  # extending leaves it as it was too
 
 
 @pytest.mark.parametrize("policy", ["full", "streaming", "snapkv", "h2o"])

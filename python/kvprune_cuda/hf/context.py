@@ -5,8 +5,9 @@ question is known, so the scores cannot come from the question.
 :func:`score_context` prefills the context once and records the evidence of one or more
 policies (snapkv's window queries, h2o's attention sums, kvzip's reconstruction maxima:
 :mod:`kvprune_cuda.policy`); :meth:`ScoredContext.compress` then compresses it under any of
-them, any budget and budget scope, as often as wanted; :func:`compress_context` does both for
-one policy. A :class:`CompressedContext` answers questions (:meth:`CompressedContext.generate`)
+them, any budget and budget scope, as often as wanted, and :meth:`ScoredContext.extend`
+continues it with more tokens (a question, to compress query-aware without prefilling the
+context again); :func:`compress_context` does both for one policy. A :class:`CompressedContext` answers questions (:meth:`CompressedContext.generate`)
 and reports what it holds: ``nbytes`` counts every tensor it keeps.
 """
 
@@ -207,6 +208,41 @@ class ScoredContext:
         seconds = time.perf_counter() - t0 + self.score_seconds
         return CompressedContext(self.model, p, self.context_ids, cache, state,
                                  self.prefill_seconds, seconds)
+
+    def extend(self, ids: torch.Tensor) -> "ScoredContext":
+        """This context followed by ``ids`` [B, m], prefilled on top of its cache, so the
+        context is not prefilled again: e.g. a document scored once, then each question
+        appended to compress the document query-aware (snapkv voting with the question).
+
+        The snapkv and h2o evidence continues as one prefill of the whole would have recorded
+        it: the window queries are the last ``window`` of the context and ``ids``, h2o's sums
+        take every new query's attention too. kvzip's is dropped: its reconstruction covered
+        the context alone (name kvzip again in :func:`score_context` of the whole instead).
+        This context is not modified. ``prefill_seconds``: the extension's forward."""
+        b = self.context_ids.shape[0]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != b or ids.shape[1] < 1:
+            shape = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"ids: expected a [{b}, m >= 1] tensor of token ids, got {shape}")
+        kept = [p for p in self.policies if not isinstance(p, policies.KVzip)]
+        kept = kept or [policies.make("full", **self._options)]
+        comp = KVCompressor(self.model, kept[0], compress_on_prefill=False, observe=kept[1:])
+        comp.restore(self._state)
+        for st in comp.layers:
+            st.kvzip = None
+        cache = new_dynamic_cache()
+        for i, (k, v) in enumerate(self._kv):
+            cache.update(k, v, i)
+        comp.attach()
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                comp.base(input_ids=ids.to(self.context_ids.device), use_cache=True,
+                          **{cache_name(comp.base): cache})
+                seconds = time.perf_counter() - t0
+        finally:
+            comp.detach()
+        return ScoredContext(self.model, torch.cat([self.context_ids, ids], 1), kept, cache,
+                             comp.snapshot(), seconds, 0.0, self._options)
 
 
 def score_context(model, context_ids: torch.Tensor,
