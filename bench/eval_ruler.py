@@ -519,20 +519,23 @@ def family_table(data) -> str:
     families every config ran, and the ratio of that mean to full's."""
     fams = _families(data)
     names = sorted({n for r in data["records"] for n in r["results"]}, key=_config_order)
-    cell = {(n, f): _family_score(_sample_scores(data, n, rt.FAMILIES[f])) for n in names for f in fams}
+    keys = {(n, f): _sample_scores(data, n, rt.FAMILIES[f]) for n in names for f in fams}
+    cell = {nf: _family_score(s) for nf, s in keys.items()}
     common_fams = [f for f in fams if all(cell[n, f] is not None for n in names)]
-    full_mean = _mean([cell["full", f] for f in common_fams]) if "full" in names else None
     rows = ["| config | " + " | ".join(fams) + " | mean of families | x full |",
             "|---" * (len(fams) + 3) + "|"]
     for n in names:
         m = _mean([cell[n, f] for f in common_fams])
+        full_mean = None if "full" not in names else _mean([_family_score(
+            {k: x for k, x in keys["full", f].items() if k in keys[n, f]}) for f in common_fams])
         ratio = "n/a" if m is None or not full_mean else f"{m / full_mean:.3f}"
         rows.append(f"| {n} | " + " | ".join("" if cell[n, f] is None else f"{100 * cell[n, f]:.0f}"
                                             for f in fams)
                     + f" | {'' if m is None else f'{100 * m:.1f}'} | {ratio} |")
     return ("\n".join(rows) + "\n\nPer task family: the mean over its tasks of each task's mean score "
             "(x100); mean of families: over the families every config ran ("
-            + (", ".join(common_fams) or "none") + ").")
+            + (", ".join(common_fams) or "none") + "); x full: that mean over full's on the "
+            "config's own samples.")
 
 
 def _best_on(data, names, tasks, keys) -> Optional[tuple]:
@@ -597,9 +600,29 @@ def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP)
     return "\n".join(lines)
 
 
+def budget_curves(data, fam: str) -> tuple[dict, Optional[float], int]:
+    """Score vs budget in task family ``fam``: ({setting: [(budget, family score)]}, full's
+    family score, samples), ours on the samples where every config of ours ran (so a curve's
+    points and full's line share their samples), kvpress's presses on their own samples."""
+    tasks = rt.FAMILIES[fam]
+    names = {n for r in data["records"] for n in r["results"]}
+    scores = {n: _sample_scores(data, n, tasks) for n in names}
+    ours = [n for n in names if _kind(n) != "kvpress"]
+    keys = set.intersection(*(set(scores[n]) for n in ours)) if ours else set()
+    curves: dict = {}
+    for n in names:
+        s, b = split_name(n)
+        y = _family_score(scores[n] if _kind(n) == "kvpress" else {k: scores[n][k] for k in keys})
+        if b is not None and y is not None:
+            curves.setdefault(s, []).append((b, y))
+    full = _family_score({k: scores["full"][k] for k in keys}) if "full" in names else None
+    return {s: sorted(c) for s, c in curves.items()}, full, len(keys)
+
+
 def plot(data, path: Path) -> None:
-    """Score vs budget per task family (one panel per family, a line per setting); with a
-    single budget, one bar per setting in each family group instead (family scores as in
+    """Score vs budget per task family (one panel per family, a line per setting, family
+    scores as in :func:`family_table` on the samples every config of ours ran; kvpress's
+    presses as markers on their own samples); with a single budget, one bar per setting in each family group instead (family scores as in
     :func:`family_table`), ours solid and kvpress's hatched."""
     import matplotlib
 
@@ -626,22 +649,20 @@ def plot(data, path: Path) -> None:
     else:
         fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams), 3.4), squeeze=False)
         for ax, fam in zip(axes[0], fams):
-            recs = [r for r in data["records"] if r["task"] in rt.FAMILIES[fam]]
-            full = _mean([r["results"]["full"]["score"] for r in recs if "full" in r["results"]])
+            curves, full, n = budget_curves(data, fam)
             for j, s in enumerate(settings):
-                if s == "full":  # the dashed line
-                    continue
-                pts = sorted({split_name(n)[1] for r in recs for n in r["results"] if split_name(n)[0] == s} - {None})
-                ys = [_mean([r["results"][config_name(s, b)]["score"] for r in recs
-                             if config_name(s, b) in r["results"]]) for b in pts]
-                ax.plot([100 * b for b in pts], [100 * y for y in ys], marker="o", label=s, color=colors[j % 20])
+                if s in curves:
+                    kvp = SETTINGS[s][0] == "kvpress"
+                    ax.plot([100 * b for b, _ in curves[s]], [100 * y for _, y in curves[s]],
+                            marker="x" if kvp else "o", ls="none" if kvp else "-",
+                            color=colors[j % 20], label=s + (" (own samples)" if kvp else ""))
             if full is not None:
                 ax.axhline(100 * full, color="k", ls="--", label="full")
-            ax.set_title(fam)
+            ax.set_title(f"{fam} ({n} samples)")
             ax.set_xlabel("budget (% of tokens)")
             ax.set_ylim(-5, 105)
         axes[0][0].set_ylabel("score (x100)")
-        axes[0][-1].legend(fontsize=7, loc="best")
+        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -289,12 +289,14 @@ def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_sample
         return {"task": task, "index": i, "refs": ["x"], "results": {
             n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
     data = {"records": [rec("niah_multikey_1", 0, 1.0, 1.0, 0.0, 0.0),
-                        rec("niah_multikey_1", 1, 1.0, 1.0, 1.0),
+                        rec("niah_multikey_1", 1, 0.5, 1.0, 1.0),
                         rec("niah_multikey_2", 0, 1.0, 0.0, 1.0, 0.5),
                         rec("vt", 0, 1.0, 1.0, 1.0, 1.0)]}
     t = er.family_table(data)
     # snapkv-aware: multikey_1 mean 1.0, multikey_2 mean 0.0 -> family 50 (not 67 per sample)
-    assert "| snapkv-aware@16% | 50 | 100 | 75.0 | 0.750 |" in t
+    assert "| full | 88 | 100 | 93.8 | 1.000 |" in t
+    assert "| snapkv-aware@16% | 50 | 100 | 75.0 | 0.800 |" in t
+    # x full on the press's own samples, where full scores 1.0: 0.625 (0.667 against all of full's)
     assert "| kvpress-snapkv@16% | 25 | 100 | 62.5 | 0.625 |" in t
     v = er.versus_kvpress(data)
     # on the press's two multi-key samples (multikey_1#0, multikey_2#0): snapkv 1.0 / 0.0 -> 50,
@@ -302,6 +304,22 @@ def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_sample
     assert ("- niah_multikey at 16%: kvpress-snapkv@16% 25 (2 samples); query-aware "
             "snapkv-aware@16% 50 (>=); query-agnostic kvzip-head@16% 50 (>=)") in v
     assert "- vt at 16%: kvpress-snapkv@16% 100 (1 sample); query-aware snapkv-aware@16% 100 (>=)" in v
+
+
+def test_budget_curves_pair_ours_samples_and_keep_kvpress_on_its_own(tmp_path):
+    def rec(task, i, scores):
+        return {"task": task, "index": i, "refs": ["x"], "results": {
+            n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
+    data = {"records": [
+        rec("vt", 0, {"full": 1.0, "snapkv-aware@16%": 1.0, "snapkv-aware@50%": 1.0,
+                      "kvpress-snapkv@16%": 0.0}),
+        rec("vt", 1, {"full": 0.5, "snapkv-aware@16%": 0.0, "snapkv-aware@50%": 0.5}),
+        rec("vt", 2, {"full": 1.0, "snapkv-aware@16%": 0.0})]}  # no 50 %: not on the curve
+    curves, full, n = er.budget_curves(data, "vt")
+    assert n == 2 and full == 0.75
+    assert curves == {"snapkv-aware": [(0.16, 0.5), (0.5, 0.75)], "kvpress-snapkv": [(0.16, 0.0)]}
+    er.plot(data, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 def _rename(data, m):
