@@ -65,16 +65,14 @@ import ruler_tasks as rt  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
 
-try:  # bench/common.py (helper-2's shared module), else the older _hf_common.py
-    import common  # noqa: E402
-except ImportError:  # pragma: no cover
-    import _hf_common as common  # noqa: E402
+import common  # noqa: E402
 
 # name -> (kind, policy, budget scope)
 SETTINGS = {
     "full": ("full", None, None),
     "snapkv-aware": ("aware", "snapkv", None),
     "snapkv-aware-k15": ("aware", "snapkv", None),
+    "snapkv-aware-k31": ("aware", "snapkv", None),
     "streaming-aware": ("aware", "streaming", None),
     "h2o-aware": ("aware", "h2o", None),
     "kvzip-head": ("agnostic", "kvzip", "head"),
@@ -88,7 +86,7 @@ SETTINGS = {
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
 }
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
-OPTIONS = {"snapkv-aware-k15": {"kernel_size": 15}}
+OPTIONS = {"snapkv-aware-k15": {"kernel_size": 15}, "snapkv-aware-k31": {"kernel_size": 31}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
 
