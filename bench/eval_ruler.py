@@ -26,7 +26,10 @@ as ``ruler_tasks.prompt_ids`` does):
   runs them, query-agnostic: the context prefilled under ``with press(model)``, then the
   question and a greedy decode on that cache (positions continuing the context's), the same
   token budget (``compression_ratio = 1 - (kept + 0.5) / n``, kvpress floors the pruned
-  count). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
+  count). ``kvpress-snapkv-aware``: query-aware (kvpress's pipeline compresses the context
+  alone; a kvpress user compressing query-aware puts the question into the compressed text):
+  the prompt but its last token prefilled under the press (the question in SnapKV's window),
+  then that token: the peer of ``snapkv-aware``, on the same tokens and budget. The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
   their bytes are really freed; ``KVzipPress`` masks evicted keys and frees nothing (its row
   says "masked"; its tokens are the unmasked ones).
 
@@ -67,7 +70,7 @@ import kvprune_cuda as kp  # noqa: E402
 
 import common  # noqa: E402
 
-# name -> (kind, policy, budget scope)
+# name -> (kind, policy, budget scope; for kvpress "aware": the question compressed with the context)
 SETTINGS = {
     "full": ("full", None, None),
     "snapkv-aware": ("aware", "snapkv", None),
@@ -81,6 +84,7 @@ SETTINGS = {
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
     "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
+    "kvpress-snapkv-aware": ("kvpress", "SnapKVPress", "aware"),
     "kvpress-streaming": ("kvpress", "StreamingLLMPress", None),
     "kvpress-kvzip": ("kvpress", "KVzipPress", None),
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
@@ -272,9 +276,12 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
                                                   max_new, "after the prompt")
     del sc
     for s, f in cfgs:
-        if SETTINGS[s][0] == "kvpress":
-            out[config_name(s, f)] = _kvpress(model, tok, ctx, qst, refs, SETTINGS[s][1], f, args,
-                                              max_new, kvpress)
+        if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
+            aware_press = SETTINGS[s][2] == "aware"
+            c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
+            out[config_name(s, f)] = _kvpress(model, tok, c, q, refs, SETTINGS[s][1], f, args,
+                                              max_new, kvpress, "after the prompt" if aware_press
+                                              else "after the context")
     for rec in out.values():
         new = rec.pop("new")
         answer = tok.decode(new, skip_special_tokens=True)
@@ -284,9 +291,10 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
 
 
-def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress) -> dict:
-    """kvpress's press ``cls`` as its pipeline runs it, query-agnostic: the context prefilled
-    under ``with press(model)``, then the question and a greedy decode on that cache."""
+def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_at) -> dict:
+    """kvpress's press ``cls`` as its pipeline runs it: ``ctx`` prefilled under ``with
+    press(model)``, then ``qst`` and a greedy decode on that cache (query-agnostic: the
+    context, then the question; query-aware: the prompt but its last token, then that token)."""
     from transformers import DynamicCache
 
     n_ctx = ctx.shape[1]
@@ -306,7 +314,7 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress) -> d
         rec["kv_bytes_allocated"] = kp.hf.kv_bytes(cache)
         rec["tokens_per_layer"] = [n_ctx - m / hkv for m in masked]
     else:
-        rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(cache), "after the context"
+        rec["kv_bytes"], rec["kv_at"] = kp.hf.kv_bytes(cache), kv_at
         rec["tokens_per_layer"] = [int(cache.layers[i].keys.shape[2]) for i in range(len(layers))]
     rec["budget_tokens"] = kb
     try:
@@ -547,28 +555,38 @@ def _best_on(data, names, tasks, keys) -> Optional[tuple]:
     return max(on.items(), key=lambda kv: (kv[1], kv[0])) if on else None
 
 
+def _press_mode(name: str) -> str:
+    """A kvpress config's query mode: "aware" (the question compressed with the context) or
+    "agnostic"."""
+    return "aware" if SETTINGS[split_name(name)[0]][2] == "aware" else "agnostic"
+
+
 def versus_kvpress(data) -> str:
-    """Per task family and budget: our best query-aware and best query-agnostic setting against
-    kvpress's best press, each scored on the samples that press ran."""
-    lines = ["Ours against kvpress's best press, per family (each on the samples that press ran):", ""]
+    """Per task family and budget, query-aware and query-agnostic apart: kvpress's best press
+    of that mode against our best setting of the same mode, on the samples that press ran."""
+    lines = ["Ours against kvpress's best press of the same mode, per family (on the samples "
+             "that press ran):", ""]
     names = {n for r in data["records"] for n in r["results"]}
     for b in sorted({split_name(n)[1] for n in names if _kind(n) == "kvpress"}):
         at = [n for n in names if split_name(n)[1] == b]
         for fam, tasks in rt.FAMILIES.items():
-            presses = {n: _sample_scores(data, n, tasks) for n in at if _kind(n) == "kvpress"}
-            presses = {n: s for n, s in presses.items() if s}
-            if not presses:
-                continue
-            best = max(presses, key=lambda n: (_family_score(presses[n]), len(presses[n]), n))
-            keys, press_score = presses[best].keys(), _family_score(presses[best])
             verdict = []
-            for kind in ("aware", "agnostic"):
-                top = _best_on(data, [n for n in at if _kind(n) == kind], tasks, keys)
-                verdict.append(f"no query-{kind} setting on those samples" if top is None else
-                               f"query-{kind} {top[0]} {100 * top[1]:.0f} "
-                               f"({'>=' if top[1] >= press_score else '<'})")
-            lines.append(f"- {fam} at {b:.0%}: {best} {100 * press_score:.0f} "
-                         f"({len(keys)} sample{'s' * (len(keys) != 1)}); " + "; ".join(verdict))
+            for mode in ("aware", "agnostic"):
+                presses = {n: _sample_scores(data, n, tasks) for n in at
+                           if _kind(n) == "kvpress" and _press_mode(n) == mode}
+                presses = {n: s for n, s in presses.items() if s}
+                if not presses:
+                    continue
+                best = max(presses, key=lambda n: (_family_score(presses[n]), len(presses[n]), n))
+                keys, press_score = presses[best].keys(), _family_score(presses[best])
+                top = _best_on(data, [n for n in at if _kind(n) == mode], tasks, keys)
+                ours = (f"no query-{mode} setting of ours on those samples" if top is None else
+                        f"ours {top[0]} {100 * top[1]:.0f} "
+                        f"({'>=' if top[1] >= press_score else '<'})")
+                verdict.append(f"query-{mode}: {best} {100 * press_score:.0f} ({len(keys)} "
+                               f"sample{'s' * (len(keys) != 1)}), {ours}")
+            if verdict:
+                lines.append(f"- {fam} at {b:.0%}: " + "; ".join(verdict))
     if len(lines) == 2:
         lines.append("- no kvpress results in these files")
     return "\n".join(lines)

@@ -186,7 +186,8 @@ def test_quick_context_question_split_and_budgets(quick_run):
             setting, frac = er.split_name(name)
             kind = er.SETTINGS[setting][0]
             new = res["new_tokens"]
-            if kind in ("full", "aware"):  # the prompt but its last token, compressed once
+            if kind in ("full", "aware") or er.SETTINGS[setting][2] == "aware":
+                # the prompt but its last token, compressed once (kvpress-snapkv-aware: likewise)
                 kb = n_all - 1 if kind == "full" else kp.hf.resolve_budget(frac, n_all - 1)
                 assert res["budget_tokens"] == kb and held_ok(res, name, kb), name
                 assert res["tokens_per_layer"] == [kb] * len(res["tokens_per_layer"]), name
@@ -282,16 +283,18 @@ def test_headline_and_table():
 
 
 def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_samples():
-    def rec(task, i, full, snap, kvzip, press=None):
+    def rec(task, i, full, snap, kvzip, press=None, press_aware=None):
         scores = {"full": full, "snapkv-aware@16%": snap, "kvzip-head@16%": kvzip}
         if press is not None:
             scores["kvpress-snapkv@16%"] = press
+        if press_aware is not None:
+            scores["kvpress-snapkv-aware@16%"] = press_aware
         return {"task": task, "index": i, "refs": ["x"], "results": {
             n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
-    data = {"records": [rec("niah_multikey_1", 0, 1.0, 1.0, 0.0, 0.0),
+    data = {"records": [rec("niah_multikey_1", 0, 1.0, 1.0, 0.0, 0.0, 0.0),
                         rec("niah_multikey_1", 1, 0.5, 1.0, 1.0),
                         rec("niah_multikey_2", 0, 1.0, 0.0, 1.0, 0.5),
-                        rec("vt", 0, 1.0, 1.0, 1.0, 1.0)]}
+                        rec("vt", 0, 1.0, 1.0, 1.0, 1.0, 1.0)]}
     t = er.family_table(data)
     # snapkv-aware: multikey_1 mean 1.0, multikey_2 mean 0.0 -> family 50 (not 67 per sample)
     assert "| full | 88 | 100 | 93.8 | 1.000 |" in t
@@ -299,11 +302,15 @@ def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_sample
     # x full on the press's own samples, where full scores 1.0: 0.625 (0.667 against all of full's)
     assert "| kvpress-snapkv@16% | 25 | 100 | 62.5 | 0.625 |" in t
     v = er.versus_kvpress(data)
-    # on the press's two multi-key samples (multikey_1#0, multikey_2#0): snapkv 1.0 / 0.0 -> 50,
-    # kvzip 0.0 / 1.0 -> 50; the press: 0.0 / 0.5 -> 25
-    assert ("- niah_multikey at 16%: kvpress-snapkv@16% 25 (2 samples); query-aware "
-            "snapkv-aware@16% 50 (>=); query-agnostic kvzip-head@16% 50 (>=)") in v
-    assert "- vt at 16%: kvpress-snapkv@16% 100 (1 sample); query-aware snapkv-aware@16% 100 (>=)" in v
+    # each mode against its own: the query-aware press (multikey_1#0 only) against snapkv-aware
+    # there (1.0); the query-agnostic press on its two multi-key samples (multikey_1#0,
+    # multikey_2#0: 0.0 / 0.5 -> 25) against kvzip-head there (0.0 / 1.0 -> 50)
+    assert ("- niah_multikey at 16%: query-aware: kvpress-snapkv-aware@16% 0 (1 sample), ours "
+            "snapkv-aware@16% 100 (>=); query-agnostic: kvpress-snapkv@16% 25 (2 samples), ours "
+            "kvzip-head@16% 50 (>=)") in v
+    assert ("- vt at 16%: query-aware: kvpress-snapkv-aware@16% 100 (1 sample), ours "
+            "snapkv-aware@16% 100 (>=); query-agnostic: kvpress-snapkv@16% 100 (1 sample), ours "
+            "kvzip-head@16% 100 (>=)") in v
 
 
 def test_budget_curves_pair_ours_samples_and_keep_kvpress_on_its_own(tmp_path):
