@@ -37,7 +37,8 @@ Recorded per (sample, setting, budget): the answer, RULER's score (fraction of t
 strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the
 compressed context: after the context for the query-agnostic settings, after
 the prompt but its last token for full and the query-aware ones; ``kp.hf.kv_bytes`` of the
-cache after the context for kvpress), and wall seconds: the config's own compression and
+cache after the context for kvpress, after the prompt but its last token for
+kvpress-snapkv-aware), and wall seconds: the config's own compression and
 answer (kvpress: its prefill too); the shared prefills and kvzip's reconstruction are
 recorded once per sample (``shared_seconds``). Decoding stops at EOS, at the task's
 ``max_new_tokens`` (RULER's: niah 128, vt 30, cwe 120, fwe 50) or as soon as every reference is
@@ -48,7 +49,7 @@ in the answer (the score can no longer change).
     .venv/bin/python bench/eval_ruler.py --quick      # tiny random model, no download (CI)
 
 ``--table`` also prints a task-family table (each family the mean of its tasks' means) and, per
-family, our best query-aware and query-agnostic settings against kvpress's best press on the
+family and query mode, our best setting against kvpress's best press of the same mode on the
 samples that press ran. ``--threads`` (default 1) sets torch's threads: the 2-core machine is shared.
 """
 
@@ -210,7 +211,8 @@ def _ranked(names) -> set:
 def _scored(model, tok, ids, names, args):
     """``kp.hf.score_context`` of ``ids`` recording every ranking policy in ``names`` ("full"
     when none ranks); (ScoredContext, {prefill, score} seconds)."""
-    ranked = [n for n in dict.fromkeys(names) if n in _ranked(names)] or ["full"]
+    ranks = _ranked(names)
+    ranked = [n for n in dict.fromkeys(names) if n in ranks] or ["full"]
     window = None if "kvzip" in ranked else args.window  # the options override every policy's
     sc = kp.hf.score_context(model, ids, _policies(ranked, args), tokenizer=tok,
                              n_sink=args.n_sink, window=window, kernel_size=args.kernel_size)
@@ -483,7 +485,7 @@ def table(data) -> str:
     out += ("\n\nScores x100 (samples in parentheses); mean over all the config's samples; x full: "
             "the config's summed score over full's on the same samples. KV held: after the "
             "context (query-agnostic, kvpress) or after the prompt but its last token (full, "
-            "query-aware); seconds: the config's own compression and answer, the shared "
+            "query-aware, kvpress-snapkv-aware); seconds: the config's own compression and answer, the shared "
             "prefills apart. Samples "
             "per task: " + ", ".join(f"{t} {n}" for t, n in n_samples.items()) + ".")
     return out + "\n\n" + family_table(data) + "\n\n" + versus_kvpress(data) + "\n\n" + headline(data)
@@ -532,8 +534,9 @@ def family_table(data) -> str:
             "|---" * (len(fams) + 3) + "|"]
     for n in names:
         m = _mean([cell[n, f] for f in common_fams])
-        full_mean = None if "full" not in names else _mean([_family_score(
-            {k: x for k, x in keys["full", f].items() if k in keys[n, f]}) for f in common_fams])
+        full_fams = [] if "full" not in names else [_family_score(
+            {k: x for k, x in keys["full", f].items() if k in keys[n, f]}) for f in common_fams]
+        full_mean = None if None in full_fams else _mean(full_fams)  # full on all its samples
         ratio = "n/a" if m is None or not full_mean else f"{m / full_mean:.3f}"
         rows.append(f"| {n} | " + " | ".join("" if cell[n, f] is None else f"{100 * cell[n, f]:.0f}"
                                             for f in fams)
@@ -623,7 +626,7 @@ def budget_curves(data, fam: str) -> tuple[dict, Optional[float], int]:
     tasks = rt.FAMILIES[fam]
     names = {n for r in data["records"] for n in r["results"]}
     scores = {n: _sample_scores(data, n, tasks) for n in names}
-    ours = [n for n in names if _kind(n) != "kvpress"]
+    ours = [n for n in names if _kind(n) != "kvpress" and scores[n]]  # those run in the family
     keys = set.intersection(*(set(scores[n]) for n in ours)) if ours else set()
     curves: dict = {}
     for n in names:

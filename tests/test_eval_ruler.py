@@ -237,18 +237,35 @@ def test_quick_agnostic_scoring_never_sees_the_question(quick_run, monkeypatch):
     assert set(res) == {"full", "kvzip-head@50%"}
 
 
-def test_quick_query_aware_answers_equal_with_or_without_the_context_run(quick_run):
+def test_quick_query_aware_answers_equal_with_or_without_the_context_run(quick_run, monkeypatch):
     """A query-aware config answers the same from the extended context scoring as from a
     scoring of the prompt of its own (what runs when no query-agnostic setting does)."""
     model, samples, args, _ = quick_run
     aware = [("full", None), ("snapkv-aware", 0.5), ("snapkv-aware-k15", 0.5), ("h2o-aware", 0.5),
              ("streaming-aware", 0.5)]
     agnostic = [("snapkv-agnostic", 0.5), ("h2o-agnostic", 0.5), ("kvzip-head", 0.5)]
+    kept: dict = {}
+    real = er._from_scored
+
+    def from_scored(sc, tok, qst, refs, policy, frac, scope, *a):  # records the kept keys
+        c = sc.compress(budget=frac, budget_scope=scope, policy=policy)
+        kept.setdefault(run, []).append([lay.keys for lay in c.cache().layers])
+        return real(sc, tok, qst, refs, policy, frac, scope, *a)
+
+    monkeypatch.setattr(er, "_from_scored", from_scored)
     for s in samples[:2]:
         ctx, qst = rt.prompt_ids(TOK, s)
+        kept.clear()
+        run = "alone"
         alone, sh_alone = er.run_sample(model, TOK, ctx, qst, s.refs, aware, args, 6)
+        run = "both"
         both, sh_both = er.run_sample(model, TOK, ctx, qst, s.refs, aware + agnostic, args, 6)
         assert "extends" not in sh_alone["prompt"] and sh_both["prompt"]["extends"] == "context"
+        # the query-aware configs (the last ones of "both") keep the same keys either way
+        assert len(kept["alone"]) == len(aware)
+        for a, b in zip(kept["alone"], kept["both"][len(agnostic):], strict=True):
+            for ka, kb in zip(a, b, strict=True):
+                torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
         for name in alone:
             assert both[name]["answer"] == alone[name]["answer"], name
             assert both[name]["tokens_per_layer"] == alone[name]["tokens_per_layer"], name

@@ -154,7 +154,8 @@ class CompressedContext:
 
 class ScoredContext:
     """A prefilled, uncompressed context with the evidence of one or more policies recorded,
-    to compress as often as wanted (:meth:`compress`); made by :func:`score_context`.
+    to compress as often as wanted (:meth:`compress`); made by :func:`score_context` and
+    :meth:`extend`.
 
     ``nbytes``: the full K/V plus the recorded evidence (window queries, score buffers);
     ``prefill_seconds``; ``score_seconds`` (kvzip's reconstruction)."""
@@ -218,11 +219,13 @@ class ScoredContext:
         it: the window queries are the last ``window`` of the context and ``ids``, h2o's sums
         take every new query's attention too. kvzip's is dropped: its reconstruction covered
         the context alone (name kvzip again in :func:`score_context` of the whole instead).
-        This context is not modified. ``prefill_seconds``: the extension's forward."""
+        This context is not modified; the extension holds K/V of its own (the context's and
+        ``ids``'s, concatenated). ``prefill_seconds``: the extension's forward."""
         b = self.context_ids.shape[0]
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != b or ids.shape[1] < 1:
             shape = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"ids: expected a [{b}, m >= 1] tensor of token ids, got {shape}")
+        ids = ids.to(self.context_ids.device)
         kept = [p for p in self.policies if not isinstance(p, policies.KVzip)]
         kept = kept or [policies.make("full", **self._options)]
         comp = KVCompressor(self.model, kept[0], compress_on_prefill=False, observe=kept[1:])
@@ -236,7 +239,7 @@ class ScoredContext:
         try:
             with torch.no_grad():
                 t0 = time.perf_counter()
-                comp.base(input_ids=ids.to(self.context_ids.device), use_cache=True,
+                comp.base(input_ids=ids, use_cache=True,
                           **{cache_name(comp.base): cache})
                 seconds = time.perf_counter() - t0
         finally:
