@@ -524,38 +524,44 @@ def _family_score(scores: dict) -> Optional[float]:
 
 def family_table(data) -> str:
     """config x task family: the family's score (:func:`_family_score`), the mean over the
-    families every config ran, and the ratio of that mean to full's."""
+    families the config ran (and how many), and the ratio of that mean to full's, both on the
+    samples both ran."""
     fams = _families(data)
     names = sorted({n for r in data["records"] for n in r["results"]}, key=_config_order)
     keys = {(n, f): _sample_scores(data, n, rt.FAMILIES[f]) for n in names for f in fams}
     cell = {nf: _family_score(s) for nf, s in keys.items()}
-    common_fams = [f for f in fams if all(cell[n, f] is not None for n in names)]
-    rows = ["| config | " + " | ".join(fams) + " | mean of families | x full |",
-            "|---" * (len(fams) + 3) + "|"]
+    rows = ["| config | " + " | ".join(fams) + " | mean of its families | families | x full |",
+            "|---" * (len(fams) + 4) + "|"]
     for n in names:
-        m = _mean([cell[n, f] for f in common_fams])
-        full_fams = [] if "full" not in names else [_family_score(
-            {k: x for k, x in keys["full", f].items() if k in keys[n, f]}) for f in common_fams]
-        full_mean = None if None in full_fams else _mean(full_fams)  # full on all its samples
-        ratio = "n/a" if m is None or not full_mean else f"{m / full_mean:.3f}"
+        ran = [f for f in fams if cell[n, f] is not None]
+        m = _mean([cell[n, f] for f in ran])
+        both = {f: keys[n, f].keys() & keys["full", f].keys() for f in ran} if "full" in names else {}
+        a = [_family_score({k: keys[n, f][k] for k in both[f]}) for f in both]
+        b = [_family_score({k: keys["full", f][k] for k in both[f]}) for f in both]
+        ratio = ("n/a" if not both or None in a + b or not _mean(b)
+                 else f"{_mean(a) / _mean(b):.3f}")
         rows.append(f"| {n} | " + " | ".join("" if cell[n, f] is None else f"{100 * cell[n, f]:.0f}"
                                             for f in fams)
-                    + f" | {'' if m is None else f'{100 * m:.1f}'} | {ratio} |")
+                    + f" | {'' if m is None else f'{100 * m:.1f}'} | {len(ran)}/{len(fams)} | {ratio} |")
     return ("\n".join(rows) + "\n\nPer task family: the mean over its tasks of each task's mean score "
-            "(x100); mean of families: over the families every config ran ("
-            + (", ".join(common_fams) or "none") + "); x full: that mean over full's on the "
-            "config's own samples.")
+            "(x100); mean of its families: over the families the config ran (compare rows that "
+            "ran the same families); x full: that mean over full's, both on the samples both ran.")
 
 
 def _best_on(data, names, tasks, keys) -> Optional[tuple]:
-    """(name, family score) of the best of ``names`` scored on the samples ``keys`` of
-    ``tasks``; None when none of them ran all those samples."""
+    """(name, family score, samples) of the best of ``names`` on the samples of ``keys`` it
+    ran: among those sharing the most of ``keys``, the highest score; None when none shares
+    any."""
     on = {}
     for n in names:
         s = _sample_scores(data, n, tasks)
-        if keys <= s.keys():
-            on[n] = _family_score({k: s[k] for k in keys})
-    return max(on.items(), key=lambda kv: (kv[1], kv[0])) if on else None
+        common = keys & s.keys()
+        if common:
+            on[n] = (len(common), _family_score({k: s[k] for k in common}), common)
+    if not on:
+        return None
+    best = max(on, key=lambda n: (on[n][0], on[n][1], n))
+    return best, on[best][1], on[best][2]
 
 
 def _press_mode(name: str) -> str:
@@ -566,9 +572,10 @@ def _press_mode(name: str) -> str:
 
 def versus_kvpress(data) -> str:
     """Per task family and budget, query-aware and query-agnostic apart: kvpress's best press
-    of that mode against our best setting of the same mode, on the samples that press ran."""
-    lines = ["Ours against kvpress's best press of the same mode, per family (on the samples "
-             "that press ran):", ""]
+    of that mode against our best setting of the same mode, both on the samples of that press
+    that the setting ran too."""
+    lines = ["Ours against kvpress's best press of the same mode, per family (both on the same "
+             "samples):", ""]
     names = {n for r in data["records"] for n in r["results"]}
     for b in sorted({split_name(n)[1] for n in names if _kind(n) == "kvpress"}):
         at = [n for n in names if split_name(n)[1] == b]
@@ -581,13 +588,17 @@ def versus_kvpress(data) -> str:
                 if not presses:
                     continue
                 best = max(presses, key=lambda n: (_family_score(presses[n]), len(presses[n]), n))
-                keys, press_score = presses[best].keys(), _family_score(presses[best])
-                top = _best_on(data, [n for n in at if _kind(n) == mode], tasks, keys)
-                ours = (f"no query-{mode} setting of ours on those samples" if top is None else
-                        f"ours {top[0]} {100 * top[1]:.0f} "
-                        f"({'>=' if top[1] >= press_score else '<'})")
-                verdict.append(f"query-{mode}: {best} {100 * press_score:.0f} ({len(keys)} "
-                               f"sample{'s' * (len(keys) != 1)}), {ours}")
+                top = _best_on(data, [n for n in at if _kind(n) == mode], tasks,
+                               set(presses[best]))
+                if top is None:
+                    verdict.append(f"query-{mode}: {best}, no query-{mode} setting of ours on "
+                                   "its samples")
+                    continue
+                press_score = _family_score({k: presses[best][k] for k in top[2]})
+                verdict.append(f"query-{mode}: {best} {100 * press_score:.0f} against ours "
+                               f"{top[0]} {100 * top[1]:.0f} on the same {len(top[2])} "
+                               f"sample{'s' * (len(top[2]) != 1)} "
+                               f"({'>=' if top[1] >= press_score else '<'})")
             if verdict:
                 lines.append(f"- {fam} at {b:.0%}: " + "; ".join(verdict))
     if len(lines) == 2:

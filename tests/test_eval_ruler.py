@@ -308,26 +308,32 @@ def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_sample
             scores["kvpress-snapkv-aware@16%"] = press_aware
         return {"task": task, "index": i, "refs": ["x"], "results": {
             n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
+    press_only = {"task": "niah_multikey_2", "index": 1, "refs": ["x"], "results": {
+        "kvpress-snapkv@16%": {"score": 1.0, "seconds": 1.0, "kv_bytes": 1, "answer": ""}}}
     data = {"records": [rec("niah_multikey_1", 0, 1.0, 1.0, 0.0, 0.0, 0.0),
                         rec("niah_multikey_1", 1, 0.5, 1.0, 1.0),
                         rec("niah_multikey_2", 0, 1.0, 0.0, 1.0, 0.5),
+                        press_only,  # a sample the press ran and nothing else
                         rec("vt", 0, 1.0, 1.0, 1.0, 1.0, 1.0)]}
     t = er.family_table(data)
     # snapkv-aware: multikey_1 mean 1.0, multikey_2 mean 0.0 -> family 50 (not 67 per sample)
-    assert "| full | 88 | 100 | 93.8 | 1.000 |" in t
-    assert "| snapkv-aware@16% | 50 | 100 | 75.0 | 0.800 |" in t
-    # x full on the press's own samples, where full scores 1.0: 0.625 (0.667 against all of full's)
-    assert "| kvpress-snapkv@16% | 25 | 100 | 62.5 | 0.625 |" in t
+    assert "| full | 88 | 100 | 93.8 | 2/2 | 1.000 |" in t
+    assert "| snapkv-aware@16% | 50 | 100 | 75.0 | 2/2 | 0.800 |" in t
+    # the press: multikey_1 0.0, multikey_2 (0.5 + 1.0) / 2 -> 38; x full on the samples full ran
+    # too (multikey_1#0, multikey_2#0, vt#0): 0.625 (0.667 against all of full's, 0.688 with the
+    # press's own extra sample)
+    assert "| kvpress-snapkv@16% | 38 | 100 | 68.8 | 2/2 | 0.625 |" in t
     v = er.versus_kvpress(data)
-    # each mode against its own: the query-aware press (multikey_1#0 only) against snapkv-aware
-    # there (1.0); the query-agnostic press on its two multi-key samples (multikey_1#0,
-    # multikey_2#0: 0.0 / 0.5 -> 25) against kvzip-head there (0.0 / 1.0 -> 50)
-    assert ("- niah_multikey at 16%: query-aware: kvpress-snapkv-aware@16% 0 (1 sample), ours "
-            "snapkv-aware@16% 100 (>=); query-agnostic: kvpress-snapkv@16% 25 (2 samples), ours "
-            "kvzip-head@16% 50 (>=)") in v
-    assert ("- vt at 16%: query-aware: kvpress-snapkv-aware@16% 100 (1 sample), ours "
-            "snapkv-aware@16% 100 (>=); query-agnostic: kvpress-snapkv@16% 100 (1 sample), ours "
-            "kvzip-head@16% 100 (>=)") in v
+    # each mode against its own, on the press's samples that ours ran too: the query-aware press
+    # (multikey_1#0) against snapkv-aware there (1.0); the query-agnostic press on
+    # multikey_1#0 and multikey_2#0 (0.0 / 0.5 -> 25, its multikey_2#1 left out) against
+    # kvzip-head there (0.0 / 1.0 -> 50)
+    assert ("- niah_multikey at 16%: query-aware: kvpress-snapkv-aware@16% 0 against ours "
+            "snapkv-aware@16% 100 on the same 1 sample (>=); query-agnostic: kvpress-snapkv@16% "
+            "25 against ours kvzip-head@16% 50 on the same 2 samples (>=)") in v
+    assert ("- vt at 16%: query-aware: kvpress-snapkv-aware@16% 100 against ours snapkv-aware@16% "
+            "100 on the same 1 sample (>=); query-agnostic: kvpress-snapkv@16% 100 against ours "
+            "kvzip-head@16% 100 on the same 1 sample (>=)") in v
 
 
 def test_budget_curves_pair_ours_samples_and_keep_kvpress_on_its_own(tmp_path):
