@@ -641,6 +641,8 @@ def budget_curves(data, fam: str) -> tuple[dict, Optional[float], int]:
     keys = set.intersection(*(set(scores[n]) for n in ours)) if ours else set()
     curves: dict = {}
     for n in names:
+        if not scores[n]:  # not run in this family
+            continue
         s, b = split_name(n)
         y = _family_score(scores[n] if _kind(n) == "kvpress" else {k: scores[n][k] for k in keys})
         if b is not None and y is not None:

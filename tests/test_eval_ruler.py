@@ -344,7 +344,8 @@ def test_budget_curves_pair_ours_samples_and_keep_kvpress_on_its_own(tmp_path):
         rec("vt", 0, {"full": 1.0, "snapkv-aware@16%": 1.0, "snapkv-aware@50%": 1.0,
                       "kvpress-snapkv@16%": 0.0}),
         rec("vt", 1, {"full": 0.5, "snapkv-aware@16%": 0.0, "snapkv-aware@50%": 0.5}),
-        rec("vt", 2, {"full": 1.0, "snapkv-aware@16%": 0.0})]}  # no 50 %: not on the curve
+        rec("vt", 2, {"full": 1.0, "snapkv-aware@16%": 0.0}),  # no 50 %: not on the curve
+        rec("cwe", 0, {"full": 1.0, "h2o-aware@16%": 1.0})]}  # run in another family only
     curves, full, n = er.budget_curves(data, "vt")
     assert n == 2 and full == 0.75
     assert curves == {"snapkv-aware": [(0.16, 0.5), (0.5, 0.75)], "kvpress-snapkv": [(0.16, 0.0)]}
