@@ -279,7 +279,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     del sc
     for s, f in cfgs:
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
-            aware_press = SETTINGS[s][2] == "aware"
+            aware_press = _press_mode(s) == "aware"
             c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
             out[config_name(s, f)] = _kvpress(model, tok, c, q, refs, SETTINGS[s][1], f, args,
                                               max_new, kvpress, "after the prompt" if aware_press
