@@ -68,7 +68,11 @@ class TrailingSnapKV(kp.policy.SnapKV):
 
 
 def variants(args) -> dict:
-    """name -> (prefill group "aware" | "context", policy, budget scope)."""
+    """name -> (prefill group, policy, budget scope). Groups: "aware", the prompt but its last
+    token scored, the last token then answers (as eval_ruler.py does); "last", the whole
+    prompt scored (the observation window ends with the prompt's last token, as in
+    ``kp.hf.compress``'s generate hooks and vLLM: compression after the prompt's prefill), the
+    first answer token taken from the uncompressed prefill; "context", the context alone."""
     make = lambda name, **kw: kp.policy.make(  # noqa: E731
         name, n_sink=args.n_sink, **({} if name == "kvzip" else {"window": args.window}),
         **{"kernel_size": args.kernel_size, **kw})
@@ -87,6 +91,10 @@ def variants(args) -> dict:
         "snapkv-aware k31 head": ("aware", make("snapkv", kernel_size=31), "head"),
         "snapkv-aware trailing15 head": ("aware", trailing(kernel_size=15), "head"),
         "snapkv-aware trailing31 head": ("aware", trailing(kernel_size=31), "head"),
+        "snapkv-aware last": ("last", make("snapkv"), None),
+        "snapkv-aware last k15": ("last", make("snapkv", kernel_size=15), None),
+        "snapkv-aware last k31": ("last", make("snapkv", kernel_size=31), None),
+        "snapkv-aware last k31 head": ("last", make("snapkv", kernel_size=31), "head"),
         "h2o-aware": ("aware", make("h2o"), None),
         "kvzip-layer": ("context", make("kvzip", chunk_size=args.chunk_size), "layer"),
         "kvzip-head": ("context", make("kvzip", chunk_size=args.chunk_size), "head"),
@@ -163,20 +171,34 @@ def probe_sample(model, tok, sample, vs: dict, args) -> dict:
     groups = {"aware": (prompt[:, :-1], prompt[:, -1:]), "context": (ctx, qst)}
     rec = {"task": sample.task, "index": sample.index, "refs": sample.refs,
            "needle_tokens": {g: len(p) for g, p in pos.items()}, "variants": {}, "seconds": {}}
-    for g, (ids, question) in groups.items():
+    aware = None  # the "aware" group's scoring, extended by the last token for "last"
+    for g in ("aware", "last", "context"):
         names = [n for n, (grp, _, _) in vs.items() if grp == g]
         if not names:
             continue
         t0 = time.perf_counter()
-        pols = list({vs[n][1].name: vs[n][1] for n in names}.values())
-        sc = kp.hf.score_context(model, ids, pols, tokenizer=tok)
+        pols = list({vs[n][1].name: vs[n][1] for n, (grp, _, _) in vs.items()
+                     if grp in ((g, "last") if g == "aware" else (g,))}.values())
+        if g == "last":
+            if aware is None:
+                aware = kp.hf.score_context(model, prompt[:, :-1], pols, tokenizer=tok)
+            sc = aware.extend(prompt[:, -1:])
+            with torch.no_grad():  # the first answer token: the uncompressed prefill's logits
+                out = model(input_ids=prompt[:, -1:], past_key_values=aware.compress(policy="full").cache())
+            question = out.logits[:, -1:].argmax(-1)
+        else:
+            ids, question = groups[g]
+            sc = kp.hf.score_context(model, ids, pols, tokenizer=tok)
+            if g == "aware":
+                aware = sc
         rec["seconds"][g] = time.perf_counter() - t0
         full = sc.compress(policy="full").cache()
         for n in names:
             _, p, scope = vs[n]
             c = sc.compress(budget=args.budget, budget_scope=scope, policy=p)
             g_ids = c.generate(question, **er._gen_kwargs(tok, sample.refs, max_new))
-            answer = tok.decode(g_ids[0, question.shape[1]:], skip_special_tokens=True)
+            cut = 0 if g == "last" else question.shape[1]
+            answer = tok.decode(g_ids[0, cut:], skip_special_tokens=True)
             rec["variants"][n] = {"answer": answer, "score": rt.score(answer, sample.refs),
                                   "kept": retention(full, c, pos)}
             print(f"{sample.task}#{sample.index} {n}: {rec['variants'][n]['score']:.2f} "
