@@ -161,6 +161,17 @@ def retention(full, c, positions: dict) -> dict:
     return out
 
 
+def with_last_token(model, aware, last: torch.Tensor) -> tuple:
+    """The group "last" from the "aware" scoring ``aware`` (a ScoredContext of the prompt but
+    its last token ``last`` [B, 1]): (the scoring extended by ``last``, the greedy first answer
+    token [B, 1] from the uncompressed cache), so that a compression of the first, continued
+    by the second, answers as ``model.generate`` would after compressing on the whole prompt's
+    prefill."""
+    with torch.no_grad():
+        out = model(input_ids=last, past_key_values=aware.compress(policy="full").cache())
+    return aware.extend(last), out.logits[:, -1:].argmax(-1)
+
+
 def probe_sample(model, tok, sample, vs: dict, args) -> dict:
     ctx, qst = rt.prompt_ids(tok, sample)
     pre, _ = rt.template_parts(tok)
@@ -182,10 +193,7 @@ def probe_sample(model, tok, sample, vs: dict, args) -> dict:
         if g == "last":
             if aware is None:
                 aware = kp.hf.score_context(model, prompt[:, :-1], pols, tokenizer=tok)
-            sc = aware.extend(prompt[:, -1:])
-            with torch.no_grad():  # the first answer token: the uncompressed prefill's logits
-                out = model(input_ids=prompt[:, -1:], past_key_values=aware.compress(policy="full").cache())
-            question = out.logits[:, -1:].argmax(-1)
+            sc, question = with_last_token(model, aware, prompt[:, -1:])
         else:
             ids, question = groups[g]
             sc = kp.hf.score_context(model, ids, pols, tokenizer=tok)

@@ -40,3 +40,16 @@ def test_kept_positions_match_exact_copies_only():
     want[0, keep[0]] = True
     want[1, [1, 2, 5]] = True
     assert torch.equal(got, want)
+
+
+def test_last_token_group_answers_as_generate_on_the_whole_prompt():
+    er = pytest.importorskip("eval_ruler")
+    model = er.tiny_model().float()
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    aware = kp.hf.score_context(model, prompt[:, :-1], ["snapkv"], window=8)
+    sc, first = rp.with_last_token(model, aware, prompt[:, -1:])
+    assert torch.equal(sc.context_ids, prompt)
+    got = sc.compress(policy="full").generate(first, max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got[0], want[0, prompt.shape[1]:])
