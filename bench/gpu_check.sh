@@ -70,8 +70,12 @@ assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"'
 run_tests() {
   # Not -x: on a first GPU run every failure is worth seeing. The emulated CUDA tests
   # (cuda_emu, tests/test_emulator.py) run in CI on CPUs; device time is for the GPU.
-  "$PY" -m pytest "$REPO/tests" -q -rs --maxfail=30 -p no:cacheprovider \
-    -k "not cuda_emu" --ignore="$REPO/tests/test_emulator.py"
+  # 8 workers where pytest-xdist is installed (the H200 image has it): the suite is mostly
+  # single-threaded, and a crash then costs one worker, not the rest of the run.
+  local workers=()
+  "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
+  "$PY" -m pytest "$REPO/tests" -q -rs --maxfail=30 -p no:cacheprovider --durations=15 \
+    "${workers[@]}" -k "not cuda_emu" --ignore="$REPO/tests/test_emulator.py"
 }
 
 memcheck() {
