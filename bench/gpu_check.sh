@@ -64,7 +64,14 @@ import kvprune_cuda as kp
 info = kp.build_info()
 print(kp.__file__)
 print(info)
-assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"'
+assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"' || return 1
+  # A C++ runtime linked into _C beside torch's crashes at the first error message
+  # (cmake/torch.cmake says why): fail here, not in the tests.
+  local so
+  so=$("$PY" -c 'import kvprune_cuda._C as c; print(c.__file__)') || return 1
+  if command -v nm > /dev/null && nm -C --defined-only "$so" | grep -q ' std::locale::classic()'; then
+    echo "$so defines libstdc++'s own std::locale: a second C++ runtime"; return 1
+  fi
 }
 
 run_tests() {
