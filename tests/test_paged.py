@@ -351,6 +351,27 @@ def test_compact_overlaps_under_every_schedule(kind, seed, gen):
         compact_check(pool, table, lens, idx, "cpu")
 
 
+@pytest.mark.skipif(not HAS_EMULATOR, reason="no CUDA emulator")
+@pytest.mark.parametrize("kind", ["shift", "gap", "every_third"])
+def test_compact_long_rows_cross_waves(kind, gen):
+    """Rows of thousands of tokens: the CUDA kernel moves them in waves of a few hundred to
+    a thousand tokens, and sources just past a wave's end are written by the next wave."""
+    lens, heads, block_size = [2600, 1100, 0], 2, 16
+    pool, table = make_pool("HND", "contig", lens, block_size, heads, 64, torch.float16, gen)
+    if kind == "shift":
+        idx = shifted_idx(lens, heads, max(lens), lambda h, n: 1 + h)
+    elif kind == "gap":
+        idx = gap_idx(lens, heads, max(lens))
+    else:  # sources ever further right: 3t + h
+        idx = torch.full((len(lens), heads, max(lens) // 3), -1, dtype=torch.int32)
+        for b, n in enumerate(lens):
+            count = max(0, (n - 1) // 3)
+            for h in range(heads):
+                idx[b, h, :count] = torch.arange(h, h + 3 * count, 3, dtype=torch.int32)
+    with kp.testing.emulate_cuda(schedules=kp.testing.SCHEDULES, seed=0):
+        compact_check(pool, table, lens, idx, "cpu")
+
+
 # ---------------------------------------------------------------- snapkv
 
 @pytest.mark.parametrize("layout,kind,dtype", [("NHD", "contig", torch.float32),

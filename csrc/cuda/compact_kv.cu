@@ -1,16 +1,19 @@
 // CUDA compact_kv: in place, x[b,h,t] <- x[b,h,keep_idx[b,h,t]] for K and V, dense or
 // paged (CompactKvParams).
 //
-// Each thread owns one vector (16, 8, 4, 2 or 1 bytes: the widest that divides the row
-// size, the base addresses and every byte stride) of one (batch, head) row, in K and
-// V, and walks that row's kept tokens in ascending order. Every read and write of a
-// given vector of a row is made by the same thread, in program order, so the copies
-// need no barrier: a position is overwritten only after the thread has read it.
-// Within a step of kUnroll tokens all loads come before all stores; that is safe
-// because step [t0, t0 + kUnroll) writes positions below t0 + kUnroll and reads
-// positions >= t0, and its loads precede its stores. K/V are read with plain loads
-// (not the read-only cache): the kernel writes them. keep_idx is trusted.
+// Rows split into vectors (16, 8, 4, 2 or 1 bytes: the widest that divides the row size,
+// the base addresses and every byte stride). Vector columns never touch each other, so
+// each CTA owns one (batch, head) row and a group of kGroupBytes-wide columns of it, and
+// moves that row's kept tokens in waves of kBlock * kUnroll / group vectors: every thread
+// loads its part of the wave, the CTA meets at a barrier, then every thread stores.
+// Why waves in order are safe: keep_idx is strictly ascending, so keep_idx[t] >= t and a
+// wave over tokens [t0, t1) reads positions >= t0 and writes positions [t0, t1). Earlier
+// waves wrote below t0 (never a later read) and read positions that this wave may
+// overwrite, but they read them before this wave's barrier; later waves read at or after
+// t1. K/V are read with plain loads (not the read-only cache): the kernel writes them.
+// keep_idx is trusted.
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/simt.cuh"
 #include "core/validate.h"
@@ -22,10 +25,11 @@ namespace {
 
 using cuda_detail::ceil_div;
 
-constexpr int kBlock = 256;  // threads per CTA
-constexpr int kUnroll = 8;   // tokens per step (loads in flight per thread)
+constexpr int kBlock = 256;       // threads per CTA
+constexpr int kUnroll = 8;        // vectors per thread per wave (loads in flight)
+constexpr int kGroupBytes = 32;   // bytes of a row per CTA: one DRAM sector
 constexpr int kMaxVecBytes = 16;
-constexpr int kMinVecBytes = 1;  // fp8 rows may have an odd size
+constexpr int kMinVecBytes = 1;   // fp8 rows may have an odd size
 
 struct CompactArgs {
   MutableTokens k;           // in/out [batch, heads, length, head_dim], dense or paged
@@ -33,52 +37,62 @@ struct CompactArgs {
   int64_t element_size;      // bytes
   const int32_t* keep_idx;   // [rows, budget]
   int32_t* new_seq_lens;     // out [batch], or null
-  int64_t rows;              // batch * heads
   int64_t heads;
   int64_t budget;
   int vecs_per_row;          // head_dim * element_size / sizeof(Vec)
+  int group_shift;           // log2(vectors per CTA); a row's last group may be short
+  int groups_per_row;        // ceil(vecs_per_row / group)
 };
 
 template <typename Vec>
 __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x;
-  if (thread >= a.rows * a.vecs_per_row) return;
-  const int64_t row = thread / a.vecs_per_row;
-  const int u = static_cast<int>(thread % a.vecs_per_row);
+  using Reg = std::conditional_t<(sizeof(Vec) < 4), unsigned int, Vec>;  // no byte registers
+  const int64_t row = blockIdx.x / a.groups_per_row;
+  const int first_vec = static_cast<int>(blockIdx.x % a.groups_per_row) << a.group_shift;
+  const int group_mask = (1 << a.group_shift) - 1;
   const int64_t b = row / a.heads, h = row % a.heads;
   const int32_t* idx = a.keep_idx + row * a.budget;
+  const int64_t wave = (kBlock * kUnroll) >> a.group_shift;  // tokens per wave
   // Vector u of token t of row (b, h) in x.
-  const auto at = [&](const MutableTokens& x, int64_t t) {
+  const auto at = [&](const MutableTokens& x, int64_t t, int u) {
     return reinterpret_cast<Vec*>(static_cast<char*>(x.data) + token_offset(x, b, h, t) * a.element_size) + u;
   };
-  int64_t kept = 0;
-  for (int64_t t0 = 0; t0 < a.budget; t0 += kUnroll) {
-    int64_t src[kUnroll];
-    Vec k_val[kUnroll];
-    Vec v_val[kUnroll];
-    bool done = false;
+  // The wave's items j = threadIdx.x + i * kBlock: token t0 + j / group, vector j % group.
+  for (int64_t t0 = 0; t0 < a.budget && __ldg(idx + t0) >= 0; t0 += wave) {  // CTA-uniform
+    int32_t src[kUnroll];
+    Reg k_val[kUnroll];
+    Reg v_val[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t t = t0 + j;
-      src[j] = (!done && t < a.budget) ? __ldg(idx + t) : -1;
-      done = src[j] < 0;
-      kept += done ? 0 : 1;
-      if (!done && src[j] != t) {
-        k_val[j] = *at(a.k, src[j]);
-        v_val[j] = *at(a.v, src[j]);
+    for (int i = 0; i < kUnroll; ++i) {
+      const int j = threadIdx.x + i * kBlock;
+      const int64_t t = t0 + (j >> a.group_shift);
+      const int u = first_vec + (j & group_mask);
+      src[i] = (t < a.budget && u < a.vecs_per_row) ? __ldg(idx + t) : -1;
+      if (src[i] >= 0 && src[i] != t) {
+        k_val[i] = *at(a.k, src[i], u);
+        v_val[i] = *at(a.v, src[i], u);
       }
     }
+    __syncthreads();  // every read of the wave happens before any write of it
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t t = t0 + j;
-      if (src[j] >= 0 && src[j] != t) {
-        *at(a.k, t) = k_val[j];
-        *at(a.v, t) = v_val[j];
+    for (int i = 0; i < kUnroll; ++i) {
+      const int j = threadIdx.x + i * kBlock;
+      const int64_t t = t0 + (j >> a.group_shift);
+      const int u = first_vec + (j & group_mask);
+      if (src[i] >= 0 && src[i] != t) {
+        *at(a.k, t, u) = static_cast<Vec>(k_val[i]);
+        *at(a.v, t, u) = static_cast<Vec>(v_val[i]);
       }
     }
-    if (done) break;
   }
-  if (a.new_seq_lens != nullptr && h == 0 && u == 0) a.new_seq_lens[b] = static_cast<int32_t>(kept);
+  if (a.new_seq_lens != nullptr && h == 0 && first_vec == 0 && threadIdx.x == 0) {
+    int64_t lo = 0, hi = a.budget;  // kept = the first padded slot: idx is ascending, then -1s
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (__ldg(idx + mid) >= 0) lo = mid + 1; else hi = mid;
+    }
+    a.new_seq_lens[b] = static_cast<int32_t>(lo);
+  }
 }
 
 // Widest vector (bytes) dividing the row size, both base addresses and every stride.
@@ -117,10 +131,14 @@ Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
   const int vec_bytes = vector_bytes(p, element_size);
   const int64_t vecs_per_row = p.head_dim * element_size / vec_bytes;
   if (vecs_per_row > INT32_MAX) return Status::kUnsupportedHeadDim;
-  const int64_t blocks = ceil_div<int64_t>(rows * vecs_per_row, kBlock);
+  int group_shift = 0;  // groups of kGroupBytes (a power of two), or of the whole row if shorter
+  while ((vec_bytes << group_shift) < kGroupBytes && (int64_t{1} << group_shift) < vecs_per_row) ++group_shift;
+  const int64_t groups_per_row = ceil_div<int64_t>(vecs_per_row, int64_t{1} << group_shift);
+  const int64_t blocks = rows * groups_per_row;
   if (blocks > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
-  const CompactArgs args{p.k, p.v, element_size, p.keep_idx, p.new_seq_lens, rows, p.heads,
-                         p.budget, static_cast<int>(vecs_per_row)};
+  const CompactArgs args{p.k, p.v, element_size, p.keep_idx, p.new_seq_lens, p.heads, p.budget,
+                         static_cast<int>(vecs_per_row), group_shift,
+                         static_cast<int>(groups_per_row)};
   switch (vec_bytes) {
     case 16: launch<16>(args, static_cast<unsigned>(blocks), stream); break;
     case 8: launch<8>(args, static_cast<unsigned>(blocks), stream); break;

@@ -4,7 +4,7 @@
 // emulator rejected a launch (its report is printed); 3: schedules differ (a race);
 // 4: the result differs from the CPU backend. AddressSanitizer, when linked in,
 // aborts on its own.
-//   mutant_driver window_scores | pool_scores | select_keep
+//   mutant_driver window_scores | pool_scores | select_keep | compact_kv
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -151,6 +151,43 @@ int select_keep() {
   return 0;
 }
 
+int compact_kv() {
+  // Keeping every other token moves each one from 2t (+ head) to t: sources of a wave's first
+  // half lie in its second half, and of its second half in the next wave (1024 tokens each).
+  const int64_t heads = 2, n = 3000, d = 8, budget = 1500;
+  const auto k0 = random_floats(heads * n * d, 5), v0 = random_floats(heads * n * d, 6);
+  std::vector<int32_t> idx(heads * budget);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t t = 0; t < budget; ++t) idx[h * budget + t] = static_cast<int32_t>(2 * t + h);
+  kvprune::CompactKvParams p;
+  p.keep_idx = idx.data();
+  p.batch = 1;
+  p.heads = heads;
+  p.length = n;
+  p.budget = budget;
+  p.head_dim = d;
+  const auto point_at = [&](std::vector<float>& k, std::vector<float>& v) {
+    p.k = {k.data(), heads * n * d, n * d, d};
+    p.v = {v.data(), heads * n * d, n * d, d};
+  };
+  std::vector<float> k(k0.size()), v(v0.size());
+  const int status = run_schedules(k, [&] {
+    k = k0;
+    v = v0;
+    point_at(k, v);
+    return kvprune::emu::compact_kv_cuda(p, nullptr);
+  });
+  if (status != 0) return status;
+  std::vector<float> k_cpu = k0, v_cpu = v0;
+  point_at(k_cpu, v_cpu);
+  if (kvprune::compact_kv_cpu(p, {}) != Status::kOk) return 5;
+  if (k != k_cpu || v != v_cpu) {
+    std::printf("wrong: the compacted K/V differ from the CPU backend\n");
+    return 4;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,7 +196,8 @@ int main(int argc, char** argv) {
   if (which == "window_scores") status = window_scores();
   else if (which == "pool_scores") status = pool_scores();
   else if (which == "select_keep") status = select_keep();
-  else std::printf("usage: mutant_driver window_scores|pool_scores|select_keep\n");
+  else if (which == "compact_kv") status = compact_kv();
+  else std::printf("usage: mutant_driver window_scores|pool_scores|select_keep|compact_kv\n");
   if (status == 0) std::printf("ok: %s\n", which.c_str());
   return status;
 }
