@@ -75,14 +75,19 @@ assert info["cuda"], "installed kvprune_cuda has no CUDA kernels"' || return 1
 }
 
 run_tests() {
-  # Not -x: on a first GPU run every failure is worth seeing. The emulated CUDA tests
-  # (cuda_emu, tests/test_emulator.py) run in CI on CPUs; device time is for the GPU.
-  # 8 workers where pytest-xdist is installed (the H200 image has it): the suite is mostly
-  # single-threaded, and a crash then costs one worker, not the rest of the run.
-  local workers=()
+  # Not -x: every failure is worth seeing. The emulated CUDA tests (cuda_emu,
+  # tests/test_emulator.py) run in CI on CPUs; device time is for the GPU, so the tests
+  # that run CUDA kernels go first and the CPU-only rest after them.
+  # 8 workers of 2 threads where pytest-xdist is installed (the H200 image has it): a
+  # crash then costs one worker, not the rest of the run.
+  local workers=() rc=0
   "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
-  "$PY" -m pytest "$REPO/tests" -q -rs --maxfail=30 -p no:cacheprovider --durations=15 \
-    "${workers[@]}" -k "not cuda_emu" --ignore="$REPO/tests/test_emulator.py"
+  for part in "cuda and not cuda_emu" "not cuda"; do
+    echo "--- tests: -k '$part'"
+    OMP_NUM_THREADS=2 "$PY" -m pytest "$REPO/tests" -q -rs --maxfail=30 -p no:cacheprovider \
+      --durations=10 "${workers[@]}" -k "$part" --ignore="$REPO/tests/test_emulator.py" || rc=1
+  done
+  return $rc
 }
 
 memcheck() {
@@ -120,10 +125,10 @@ export -f env_info build_install run_tests memcheck racecheck bench_prefill benc
 #    name           log           max  reserve(for the steps after)
 step env            setup.log      60  420 env_info
 step build          setup.log     300  200 build_install
-step tests          tests.log     240  170 run_tests
-step memcheck       sanitize.log   90  150 memcheck
-step racecheck      sanitize.log   90  120 racecheck
-step bench_prefill  bench.log     180   40 bench_prefill
+step tests          tests.log     360   90 run_tests
+step memcheck       sanitize.log   90   75 memcheck
+step racecheck      sanitize.log   90   60 racecheck
+step bench_prefill  bench.log     180   30 bench_prefill
 step bench_select   bench.log      60   40 bench_select
 step bench_decode   bench.log      40   10 bench_decode
 step bench_paged    bench.log      40   10 bench_paged
@@ -131,7 +136,7 @@ step plot           bench.log      30    0 plot_prefill
 
 {
   echo
-  echo "---- tests (tail) ----"; tail -n 6 "$OUT/tests.log"
+  echo "---- tests ----"; grep -E "^(--- tests|FAILED|ERROR)|[0-9]+ (passed|failed)|TIMEOUT" "$OUT/tests.log" | tail -n 40
   echo "---- sanitizers ----"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases ok|FAIL " "$OUT/sanitize.log"
   echo "---- bench (rows) ----"
   grep -vE "^(===|>>>)" "$OUT/bench.log" | grep -E "^(N=|method| *[0-9]+ |kvpress|torch|kvprune|kp\.|bench_|kvprune_cuda|\| (window_scores|snapkv|compact) )" | tail -n 110
