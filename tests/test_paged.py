@@ -351,13 +351,19 @@ def test_compact_overlaps_under_every_schedule(kind, seed, gen):
         compact_check(pool, table, lens, idx, "cpu")
 
 
+# Row sizes of 128, 80, 10 and 7 bytes: 16-byte vectors in one group of 32 bytes per CTA
+# (waves of 1024 tokens) or in groups with a short last one; 2- and 1-byte vectors (waves of
+# 256 tokens).
 @pytest.mark.skipif(not HAS_EMULATOR, reason="no CUDA emulator")
+@pytest.mark.parametrize("dtype,dim", [(torch.float16, 64), (torch.float16, 40),
+                                       (torch.float16, 5), (torch.float8_e4m3fn, 7)],
+                         ids=["f16-D64", "f16-D40", "f16-D5", "e4m3-D7"])
 @pytest.mark.parametrize("kind", ["shift", "gap", "every_third"])
-def test_compact_long_rows_cross_waves(kind, gen):
-    """Rows of thousands of tokens: the CUDA kernel moves them in waves of a few hundred to
-    a thousand tokens, and sources just past a wave's end are written by the next wave."""
-    lens, heads, block_size = [2600, 1100, 0], 2, 16
-    pool, table = make_pool("HND", "contig", lens, block_size, heads, 64, torch.float16, gen)
+def test_compact_long_rows_cross_waves(kind, dtype, dim, gen):
+    """Rows of thousands of tokens: the CUDA kernel moves them in waves of 256 to 1024
+    tokens, and sources just past a wave's end are written by the next wave."""
+    lens, heads, block_size = [3200, 1100, 0], 2, 16
+    pool, table = make_pool("HND", "contig", lens, block_size, heads, dim, dtype, gen)
     if kind == "shift":
         idx = shifted_idx(lens, heads, max(lens), lambda h, n: 1 + h)
     elif kind == "gap":

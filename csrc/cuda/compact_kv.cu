@@ -4,7 +4,7 @@
 // Rows split into vectors (16, 8, 4, 2 or 1 bytes: the widest that divides the row size,
 // the base addresses and every byte stride). Vector columns never touch each other, so
 // each CTA owns one (batch, head) row and a group of kGroupBytes-wide columns of it, and
-// moves that row's kept tokens in waves of kBlock * kUnroll / group vectors: every thread
+// moves that row's kept tokens in waves of kBlock * kUnroll / group tokens: every thread
 // loads its part of the wave, the CTA meets at a barrier, then every thread stores.
 // Why waves in order are safe: keep_idx is strictly ascending, so keep_idx[t] >= t and a
 // wave over tokens [t0, t1) reads positions >= t0 and writes positions [t0, t1). Earlier
@@ -57,8 +57,21 @@ __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
   const auto at = [&](const MutableTokens& x, int64_t t, int u) {
     return reinterpret_cast<Vec*>(static_cast<char*>(x.data) + token_offset(x, b, h, t) * a.element_size) + u;
   };
+  // kept = the first padded slot (idx ascends, then -1s): a binary search by one thread,
+  // shared, so that the CTA moves exactly the tokens below the count it reports.
+  KVPRUNE_SHARED(int64_t, kept_shared, [1]);
+  if (threadIdx.x == 0) {
+    int64_t lo = 0, hi = a.budget;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (__ldg(idx + mid) >= 0) lo = mid + 1; else hi = mid;
+    }
+    kept_shared[0] = lo;
+  }
+  __syncthreads();
+  const int64_t kept = kept_shared[0];
   // The wave's items j = threadIdx.x + i * kBlock: token t0 + j / group, vector j % group.
-  for (int64_t t0 = 0; t0 < a.budget && __ldg(idx + t0) >= 0; t0 += wave) {  // CTA-uniform
+  for (int64_t t0 = 0; t0 < kept; t0 += wave) {  // CTA-uniform
     int32_t src[kUnroll];
     Reg k_val[kUnroll];
     Reg v_val[kUnroll];
@@ -67,7 +80,7 @@ __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
       const int j = threadIdx.x + i * kBlock;
       const int64_t t = t0 + (j >> a.group_shift);
       const int u = first_vec + (j & group_mask);
-      src[i] = (t < a.budget && u < a.vecs_per_row) ? __ldg(idx + t) : -1;
+      src[i] = (t < kept && u < a.vecs_per_row) ? __ldg(idx + t) : -1;
       if (src[i] >= 0 && src[i] != t) {
         k_val[i] = *at(a.k, src[i], u);
         v_val[i] = *at(a.v, src[i], u);
@@ -85,14 +98,8 @@ __global__ __launch_bounds__(kBlock) void compact_kv_kernel(CompactArgs a) {
       }
     }
   }
-  if (a.new_seq_lens != nullptr && h == 0 && first_vec == 0 && threadIdx.x == 0) {
-    int64_t lo = 0, hi = a.budget;  // kept = the first padded slot: idx is ascending, then -1s
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (__ldg(idx + mid) >= 0) lo = mid + 1; else hi = mid;
-    }
-    a.new_seq_lens[b] = static_cast<int32_t>(lo);
-  }
+  if (a.new_seq_lens != nullptr && h == 0 && first_vec == 0 && threadIdx.x == 0)
+    a.new_seq_lens[b] = static_cast<int32_t>(kept);
 }
 
 // Widest vector (bytes) dividing the row size, both base addresses and every stride.
@@ -130,7 +137,7 @@ Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
   const int64_t element_size = dtype_size(p.dtype);
   const int vec_bytes = vector_bytes(p, element_size);
   const int64_t vecs_per_row = p.head_dim * element_size / vec_bytes;
-  if (vecs_per_row > INT32_MAX) return Status::kUnsupportedHeadDim;
+  if (vecs_per_row > INT32_MAX - kGroupBytes) return Status::kUnsupportedHeadDim;
   int group_shift = 0;  // groups of kGroupBytes (a power of two), or of the whole row if shorter
   while ((vec_bytes << group_shift) < kGroupBytes && (int64_t{1} << group_shift) < vecs_per_row) ++group_shift;
   const int64_t groups_per_row = ceil_div<int64_t>(vecs_per_row, int64_t{1} << group_shift);
