@@ -712,6 +712,9 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="target prompt length (context + question)")
     ap.add_argument("--samples", type=int, default=5, help="samples per task")
+    ap.add_argument("--first-sample", type=int, default=0,
+                    help="start at this sample index (a later part of a run whose earlier "
+                         "indices another part ran)")
     ap.add_argument("--tasks", nargs="+", default=list(rt.TASKS), choices=rt.TASKS)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.25, 0.5],
@@ -774,7 +777,8 @@ def main(argv=None) -> dict:
                 if not args.quick:
                     raise SystemExit("kvpress is not installed (pip install '.[eval]'); "
                                      "or leave the kvpress-* settings out")
-        samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, novels, args.seed)
+        samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, novels, args.seed,
+                                  args.first_sample)
         out = args.out or Path(__file__).resolve().parent / "results" / (
             "ruler_quick.json" if args.quick else "ruler.json")
         data = run(model, tok, samples, args.settings, args.budgets, args, kvpress, out,

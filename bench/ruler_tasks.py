@@ -399,10 +399,10 @@ def make_sample(task: str, index: int, tok, tokens: int, novels: Optional[dict] 
     return at(lo)
 
 
-def make_samples(tasks, n: int, tok, tokens: int, novels=None, seed: int = 0) -> list:
-    """``n`` samples of every task, index-major (every task's sample 0 first), so that a run
-    cut short holds as many samples of each task."""
-    return [make_sample(t, i, tok, tokens, novels, seed) for i in range(n) for t in tasks]
+def make_samples(tasks, n: int, tok, tokens: int, novels=None, seed: int = 0, first: int = 0) -> list:
+    """Samples ``first`` to ``n - 1`` of every task, index-major (every task's sample ``first``
+    first), so that a run cut short holds as many samples of each task."""
+    return [make_sample(t, i, tok, tokens, novels, seed) for i in range(first, n) for t in tasks]
 
 
 # ---------------------------------------------------------------------------------------------

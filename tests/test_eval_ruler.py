@@ -55,6 +55,17 @@ def test_deterministic_by_seed(task):
     assert (a.context, a.refs) != (d.context, d.refs)
 
 
+def test_later_part_of_a_run_has_the_same_samples():
+    """--first-sample: a run's later part holds the samples a whole run would have at those
+    indices, index-major."""
+    tasks = ["vt", "niah_single_1"]
+    whole = rt.make_samples(tasks, 4, TOK, 1200, NOVELS, seed=2)
+    part = rt.make_samples(tasks, 4, TOK, 1200, NOVELS, seed=2, first=2)
+    assert [(s.task, s.index) for s in part] == [("vt", 2), ("niah_single_1", 2), ("vt", 3),
+                                                 ("niah_single_1", 3)]
+    assert [(s.context, s.refs) for s in part] == [(s.context, s.refs) for s in whole[4:]]
+
+
 @pytest.mark.parametrize("task", rt.TASKS)
 @pytest.mark.parametrize("tokens", [1200, 3000])
 def test_length_near_target(task, tokens):
