@@ -630,31 +630,33 @@ def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP)
     return "\n".join(lines)
 
 
-def budget_curves(data, fam: str) -> tuple[dict, Optional[float], int]:
-    """Score vs budget in task family ``fam``: ({setting: [(budget, family score)]}, full's
-    family score, samples), ours on the samples where every config of ours ran (so a curve's
-    points and full's line share their samples), kvpress's presses on their own samples."""
+def budget_curves(data, fam: str) -> dict:
+    """Score vs budget in task family ``fam``, each setting on its own samples: {setting:
+    (points, samples)}, points [(budget, family score)] on the samples where the setting ran
+    at every one of its budgets and full ran too, ending at (1.0, full's family score on those
+    samples), so that each curve is paired with full and the settings' sample counts show."""
     tasks = rt.FAMILIES[fam]
     names = {n for r in data["records"] for n in r["results"]}
     scores = {n: _sample_scores(data, n, tasks) for n in names}
-    ours = [n for n in names if _kind(n) != "kvpress" and scores[n]]  # those run in the family
-    keys = set.intersection(*(set(scores[n]) for n in ours)) if ours else set()
-    curves: dict = {}
+    budgets: dict = {}
     for n in names:
-        if not scores[n]:  # not run in this family
-            continue
         s, b = split_name(n)
-        y = _family_score(scores[n] if _kind(n) == "kvpress" else {k: scores[n][k] for k in keys})
-        if b is not None and y is not None:
-            curves.setdefault(s, []).append((b, y))
-    full = _family_score({k: scores["full"][k] for k in keys}) if "full" in names else None
-    return {s: sorted(c) for s, c in curves.items()}, full, len(keys)
+        if b is not None and scores[n]:  # run in this family
+            budgets.setdefault(s, []).append(b)
+    full = scores.get("full", {})
+    curves = {}
+    for s, bs in budgets.items():
+        keys = set(full).intersection(*(scores[config_name(s, b)].keys() for b in bs))
+        if keys:
+            pts = [(b, _family_score({k: scores[config_name(s, b)][k] for k in keys})) for b in sorted(bs)]
+            curves[s] = (pts + [(1.0, _family_score({k: full[k] for k in keys}))], len(keys))
+    return curves
 
 
 def plot(data, path: Path) -> None:
-    """Score vs budget per task family (one panel per family, a line per setting, family
-    scores as in :func:`family_table` on the samples every config of ours ran; kvpress's
-    presses as markers on their own samples); with a single budget, one bar per setting in each family group instead (family scores as in
+    """Score vs budget per task family (one panel per family, a line per setting ending at
+    full's score on the same samples: :func:`budget_curves`; kvpress's presses dotted); with a
+    single budget, one bar per setting in each family group instead (family scores as in
     :func:`family_table`), ours solid and kvpress's hatched."""
     import matplotlib
 
@@ -679,22 +681,34 @@ def plot(data, path: Path) -> None:
         ax.set_title(f"RULER-style, {budgets[0]:.0%} of the tokens kept (full: 100 % kept)")
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     else:
-        fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams), 3.4), squeeze=False)
-        for ax, fam in zip(axes[0], fams):
-            curves, full, n = budget_curves(data, fam)
+        cols = min(4, len(fams) + 1)
+        rows = -(-(len(fams) + 1) // cols)  # the last free panel holds the legend
+        fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 3.4 * rows), squeeze=False)
+        axes = axes.ravel()
+        for ax, fam in zip(axes, fams):
+            curves = budget_curves(data, fam)
             for j, s in enumerate(settings):
                 if s in curves:
-                    kvp = SETTINGS[s][0] == "kvpress"
-                    ax.plot([100 * b for b, _ in curves[s]], [100 * y for _, y in curves[s]],
-                            marker="x" if kvp else "o", ls="none" if kvp else "-",
-                            color=colors[j % 20], label=s + (" (own samples)" if kvp else ""))
-            if full is not None:
-                ax.axhline(100 * full, color="k", ls="--", label="full")
-            ax.set_title(f"{fam} ({n} samples)")
+                    pts, n = curves[s]
+                    ax.plot([100 * b for b, _ in pts], [100 * y for _, y in pts],
+                            marker="x" if SETTINGS[s][0] == "kvpress" else "o",
+                            ls=":" if SETTINGS[s][0] == "kvpress" else "-", color=colors[j % 20],
+                            label=s)
+                    ax.annotate(str(n), (100 * pts[0][0], 100 * pts[0][1]), fontsize=5,
+                                color=colors[j % 20], xytext=(-9, 0), textcoords="offset points")
+            ax.set_title(f"{fam} (numbers: samples)")
+            ax.set_xscale("log")
+            ax.set_xticks([100 * b for b in budgets] + [100], [f"{100 * b:g}" for b in budgets] + ["full"])
+            ax.minorticks_off()
             ax.set_xlabel("budget (% of tokens)")
             ax.set_ylim(-5, 105)
-        axes[0][0].set_ylabel("score (x100)")
-        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        for ax in axes[::cols]:
+            ax.set_ylabel("score (x100)")
+        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+        for ax in axes[len(fams):]:
+            ax.axis("off")
+        axes[len(fams)].legend([handles[s] for s in settings if s in handles],
+                               [s for s in settings if s in handles], fontsize=8, loc="center")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

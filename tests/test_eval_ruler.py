@@ -347,19 +347,23 @@ def test_family_table_weighs_tasks_equally_and_kvpress_is_compared_on_its_sample
             "kvzip-head@16% 100 on the same 1 sample (>=)") in v
 
 
-def test_budget_curves_pair_ours_samples_and_keep_kvpress_on_its_own(tmp_path):
+def test_budget_curves_pair_each_setting_with_full_on_its_own_samples(tmp_path):
     def rec(task, i, scores):
         return {"task": task, "index": i, "refs": ["x"], "results": {
             n: {"score": v, "seconds": 1.0, "kv_bytes": 1, "answer": ""} for n, v in scores.items()}}
     data = {"records": [
         rec("vt", 0, {"full": 1.0, "snapkv-aware@16%": 1.0, "snapkv-aware@50%": 1.0,
-                      "kvpress-snapkv@16%": 0.0}),
-        rec("vt", 1, {"full": 0.5, "snapkv-aware@16%": 0.0, "snapkv-aware@50%": 0.5}),
-        rec("vt", 2, {"full": 1.0, "snapkv-aware@16%": 0.0}),  # no 50 %: not on the curve
+                      "kvpress-snapkv@16%": 0.0, "kvzip-head@16%": 1.0}),
+        rec("vt", 1, {"full": 0.5, "snapkv-aware@16%": 0.0, "snapkv-aware@50%": 0.5,
+                      "kvzip-head@16%": 0.5}),
+        rec("vt", 2, {"full": 1.0, "snapkv-aware@16%": 0.0, "kvzip-head@16%": 0.0}),
+        rec("vt", 3, {"kvzip-head@16%": 0.0}),  # full did not run: on no curve
         rec("cwe", 0, {"full": 1.0, "h2o-aware@16%": 1.0})]}  # run in another family only
-    curves, full, n = er.budget_curves(data, "vt")
-    assert n == 2 and full == 0.75
-    assert curves == {"snapkv-aware": [(0.16, 0.5), (0.5, 0.75)], "kvpress-snapkv": [(0.16, 0.0)]}
+    curves = er.budget_curves(data, "vt")
+    # snapkv-aware on the samples with both its budgets (0, 1); vt#2 (16 % only) left out
+    assert curves == {"snapkv-aware": ([(0.16, 0.5), (0.5, 0.75), (1.0, 0.75)], 2),
+                      "kvzip-head": ([(0.16, 0.5), (1.0, 2.5 / 3)], 3),
+                      "kvpress-snapkv": ([(0.16, 0.0), (1.0, 1.0)], 1)}
     pytest.importorskip("matplotlib")  # the plot itself: only where matplotlib is installed
     er.plot(data, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
