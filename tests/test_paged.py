@@ -336,6 +336,12 @@ def test_compact_empty_budget_and_batch(device, gen):
     no_rows = kp.paged.compact(pool.k, pool.v, table[:0].to(device), int32([], device),
                                none_kept[:0])
     assert no_rows.shape == (0,) and torch.equal(pool.base, before)
+    # no KV heads: nothing kept, every sequence's new length 0 (CUDA wrote nothing before)
+    pool, table = make_pool("NHD", "contig", lens, 16, 0, 8, torch.float16, gen)
+    pool = pool.clone(device)
+    no_heads = kp.paged.compact(pool.k, pool.v, table.to(device), int32(lens, device),
+                                torch.full((2, 0, 3), -1, dtype=torch.int32, device=device))
+    assert no_heads.tolist() == [0, 0]
 
 
 @pytest.mark.skipif(not HAS_EMULATOR, reason="no CUDA emulator")

@@ -125,9 +125,8 @@ void launch(const CompactArgs& args, unsigned blocks, cudaStream_t stream) {
 
 Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
   if (auto s = validate(p); s != Status::kOk) return s;
-  const int64_t rows = p.batch * p.heads;
-  if (rows == 0) return Status::kOk;
-  if (p.budget == 0) {  // nothing kept
+  if (p.batch == 0) return Status::kOk;
+  if (p.heads == 0 || p.budget == 0) {  // nothing kept: every row's new length is 0
     if (p.new_seq_lens != nullptr) {
       if (simt::memset_async(p.new_seq_lens, 0, p.batch * sizeof(int32_t), stream) != cudaSuccess)
         return Status::kCudaError;
@@ -141,7 +140,7 @@ Status compact_kv_cuda(const CompactKvParams& p, cudaStream_t stream) {
   int group_shift = 0;  // groups of kGroupBytes (a power of two), or of the whole row if shorter
   while ((vec_bytes << group_shift) < kGroupBytes && (int64_t{1} << group_shift) < vecs_per_row) ++group_shift;
   const int64_t groups_per_row = ceil_div<int64_t>(vecs_per_row, int64_t{1} << group_shift);
-  const int64_t blocks = rows * groups_per_row;
+  const int64_t blocks = p.batch * p.heads * groups_per_row;
   if (blocks > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
   const CompactArgs args{p.k, p.v, element_size, p.keep_idx, p.new_seq_lens, p.heads, p.budget,
                          static_cast<int>(vecs_per_row), group_shift,

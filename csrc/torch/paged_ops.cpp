@@ -131,7 +131,8 @@ at::Tensor paged_compact(const Backend& be, at::Tensor& k_cache, at::Tensor& v_c
   check_same_device(idx, "idx", k_cache, "k_cache");
   // K and V may be interleaved views of one buffer (vLLM's CPU cache), so a range test would
   // reject them; passing one pool as both is caught here, other element aliasing is not.
-  TORCH_CHECK_VALUE(k_cache.data_ptr() != v_cache.data_ptr(), "v_cache must not be k_cache");
+  TORCH_CHECK_VALUE(k_cache.numel() == 0 || k_cache.data_ptr() != v_cache.data_ptr(),
+                    "v_cache must not be k_cache");
   CompactKvParams p;
   p.k = paged_tokens<MutableTokens>(k_cache, block_table, layout);
   p.v = paged_tokens<MutableTokens>(v_cache, block_table, layout);

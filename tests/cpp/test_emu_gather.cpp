@@ -207,6 +207,8 @@ void gather_cases() {
                    .expect("compact_kv_kernel<uint2>"));
   compact_case(Cmp("compact dense fp16 D=5 2B vectors sinks+recent", f16, 2, 2, 70, 25, 5).streaming()
                    .expect("compact_kv_kernel<short unsigned int>"));
+  // No KV heads: nothing moves and every row's new length is 0 (CUDA wrote none before).
+  compact_case(Cmp("compact paged fp16 no heads", f16, 2, 0, 40, 8, 16).paged(16));
   // fp8 caches move as bytes: odd rows take 1-byte vectors.
   compact_case(Cmp("compact paged fp8 e4m3 D=7 1B vectors", DType::kFloat8E4M3, 2, 2, 60, 20, 7).paged(16)
                    .expect("compact_kv_kernel<unsigned char>"));
