@@ -690,10 +690,10 @@ def plot(data, path: Path) -> None:
             for j, s in enumerate(settings):
                 if s in curves:
                     pts, n = curves[s]
+                    kvp = SETTINGS[s][0] == "kvpress"
                     ax.plot([100 * b for b, _ in pts], [100 * y for _, y in pts],
-                            marker="x" if SETTINGS[s][0] == "kvpress" else "o",
-                            ls=":" if SETTINGS[s][0] == "kvpress" else "-", color=colors[j % 20],
-                            label=s)
+                            marker="x" if kvp else "o", ls=":" if kvp else "-",
+                            color=colors[j % 20], label=s)
                     ax.annotate(str(n), (100 * pts[0][0], 100 * pts[0][1]), fontsize=5,
                                 color=colors[j % 20], xytext=(-9, 0), textcoords="offset points")
             ax.set_title(f"{fam} (numbers: samples)")
