@@ -46,6 +46,8 @@ DOWNLOAD_PREFIXES=(
   "bash scripts/setup_vllm_env.sh"
   "bash scripts/test_vllm.sh"
   ".venv-vllm/bin/python bench/bench_vllm.py"
+  ".venv-vllm/bin/python bench/bench_vllm_server.py"
+  ".venv-vllm/bin/python -m kvprune_cuda.vllm.serve"
 )
 
 if [ "${KVPRUNE_README_IN_PLACE:-0}" = 1 ]; then

@@ -1,11 +1,14 @@
 """kp.vllm.engine_args and the shared compression rule (no vLLM needed; the engine itself
 is tested by tests/vllm_engine in its own environment)."""
 
+import json
+
 import pytest
 
 import kvprune_cuda as kp
 from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._policy import engine_policy
+from kvprune_cuda.vllm.support import check_engine
 
 
 def test_engine_args_wire_the_hooks_and_the_policy():
@@ -123,12 +126,37 @@ def test_a_policy_subclass_is_refused():
 def test_speculative_decoding_beyond_ngram_prompt_compression_is_refused():
     def cfg(method, **decode):
         args = kp.vllm.engine_args("snapkv", 0.2, **decode)
-        return type("Cfg", (), {"additional_config": args["additional_config"],
-                                "speculative_config": type("Spec", (), {"method": method})})
+        c = type("Cfg", (), {"additional_config": args["additional_config"],
+                             "speculative_config": type("Spec", (), {"method": method})})
+        return c, _policy.decode_from_vllm_config(c)
 
-    assert _policy.from_vllm_config(cfg("ngram")).name == "snapkv"
+    check_engine(*cfg("ngram"))
     for method in ("eagle", "draft_model", "mtp"):
         with pytest.raises(NotImplementedError, match="speculative_config: .*'ngram'"):
-            _policy.from_vllm_config(cfg(method))
+            check_engine(*cfg(method))
     with pytest.raises(NotImplementedError, match="speculative_config: .*decode-time rule"):
-        _policy.from_vllm_config(cfg("ngram", decode="streaming", max_held=64, interval=32))
+        check_engine(*cfg("ngram", decode="streaming", max_held=64, interval=32))
+
+
+def test_server_args_are_engine_args_as_flags():
+    args = kp.vllm.engine_args("snapkv", 0.16, kernel_size=15, decode="h2o", max_held=256,
+                               interval=64)
+    flags = kp.vllm.server_args("snapkv", 0.16, kernel_size=15, decode="h2o", max_held=256,
+                                interval=64)
+    assert flags == ["--scheduler-cls", "kvprune_cuda.vllm.scheduler.Scheduler",
+                     "--worker-cls", "kvprune_cuda.vllm.worker.CPUWorker",
+                     "--additional-config", json.dumps(args["additional_config"])]
+
+
+def test_serve_builds_vllms_server_command():
+    from kvprune_cuda.vllm.serve import vllm_argv
+
+    argv = vllm_argv(["m", "--kv-budget", "0.16", "--kv-window", "16", "--port", "8001",
+                      "--enforce-eager"])
+    assert argv[:5] == ["--model", "m", "--port", "8001", "--enforce-eager"]
+    assert argv[5:] == kp.vllm.server_args("snapkv", 0.16, window=16)
+    assert vllm_argv(["m", "--kv-budget", "512"])[2:] == kp.vllm.server_args("snapkv", 512)
+    with pytest.raises(SystemExit, match="--worker-cls"):
+        vllm_argv(["m", "--worker-cls", "x.Y"])
+    with pytest.raises(ValueError, match="budget"):
+        vllm_argv(["m", "--kv-budget", "1.5"])

@@ -95,7 +95,7 @@ def test_preempted_after_decode_compression_is_compressed_back(model_dir):
 
     def recording_schedule(*args, **kwargs):
         out = schedule(*args, **kwargs)
-        plans.extend((r, *step) for r, step in getattr(out, "kvprune_compress").items())
+        plans.extend((r, *step) for r, step in out.kvprune_plan.rows.items())
         return out
 
     def recording_preempt(request, *args, **kwargs):

@@ -23,7 +23,6 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
-from kvprune_cuda.vllm import _policy  # noqa: E402
 from test_engine import make_llm, hf_model, model_dir  # noqa: E402,F401  (fixtures)
 
 REQUESTS = 200
@@ -137,7 +136,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
 
     def recording_schedule(*args, **kwargs):
         out = schedule(*args, **kwargs)
-        for internal, step in getattr(out, _policy.PLAN_ATTR).items():
+        for internal, step in out.kvprune_plan.rows.items():
             r = engine.output_processor.request_states[internal].external_req_id
             plans.setdefault(r, []).append(step)
         return out

@@ -37,6 +37,7 @@ beside the prompt's compression only (a draft model, or a decode-time rule, is r
 
 from __future__ import annotations
 
+import json
 from typing import Optional, Union
 
 from kvprune_cuda.policy import decode_options, make_decode
@@ -85,5 +86,17 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     }
 
 
-__all__ = ["engine_args", "check_vllm_version", "engine_policy", "kept_tokens", "POLICIES",
+def server_args(policy: Union[str, "policies.Policy"] = "snapkv",
+                budget: Union[int, float, None] = None, **options) -> list:
+    """The command-line flags of vLLM's OpenAI server (``python -m
+    vllm.entrypoints.openai.api_server --model M ...``) that :func:`engine_args` sets, for
+    operators who start the server themselves: ``--scheduler-cls``, ``--worker-cls`` and
+    ``--additional-config`` (JSON). Same arguments as :func:`engine_args`;
+    ``python -m kvprune_cuda.vllm.serve`` starts the server with them."""
+    args = engine_args(policy, budget, **options)
+    return ["--scheduler-cls", args["scheduler_cls"], "--worker-cls", args["worker_cls"],
+            "--additional-config", json.dumps(args["additional_config"])]
+
+
+__all__ = ["engine_args", "server_args", "check_vllm_version", "engine_policy", "kept_tokens", "POLICIES",
            "SUPPORTED_VLLM"]

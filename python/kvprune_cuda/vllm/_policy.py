@@ -7,7 +7,7 @@ tokens than the prompt holds. With prefix caching, the prompt's first ``pinned``
 kept whole and never rewritten: those read from the prefix cache and those in blocks another
 request shares at that step; the budget applies to the rest (:func:`kept_tokens`). Only the
 scheduler sees block sharing, so it decides and hands each step's decisions to the workers
-inside the scheduler output (:data:`PLAN_ATTR`), vLLM's own path to them. Earlier prefill
+(:mod:`kvprune_cuda.vllm.plan`). Earlier prefill
 chunks of a request that may be compressed are recorded by the workers (:func:`records`):
 the observation window may span chunks.
 """
@@ -22,9 +22,6 @@ from kvprune_cuda import policy as policies
 POLICIES = ("full", "snapkv", "streaming")  # prompt policies the engine runs (kvzip, h2o:
 # kp.hf only; h2o runs as a decode-time rule, kp.policy.DECODE_POLICIES)
 CONFIG_KEY = "kvprune"  # the entry of vLLM's additional_config that holds the policy
-# The SchedulerOutput attribute with the step's compressions: {req_id: (kept, pinned, held)},
-# held: the tokens the request holds once the step's are written (the worker compacts those).
-PLAN_ATTR = "kvprune_compress"
 
 
 def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
@@ -59,31 +56,10 @@ def _config(vllm_config) -> dict:
 
 
 def from_vllm_config(vllm_config) -> "policies.Policy":
-    """The prompt's policy in the engine's configuration (refused beside speculative decoding
-    it cannot follow: :func:`_check_speculative`)."""
+    """The prompt's policy in the engine's configuration."""
     config = _config(vllm_config)
-    _check_speculative(getattr(vllm_config, "speculative_config", None), config)
     config.pop("decode", None)
     return engine_policy(**{"policy": None, **config})
-
-
-def _check_speculative(speculative_config, config: dict) -> None:
-    """Speculative decoding runs beside the prompt's compression with n-gram drafts only: a
-    drafter with a model of its own keeps KV layers that kvprune would not compact; and not
-    with a decode-time rule, whose compaction steps would count drafts vLLM may reject."""
-    if speculative_config is None:
-        return
-    if config.get("decode") is not None:
-        raise NotImplementedError(
-            "speculative_config: kvprune_cuda.vllm's decode-time rule (decode=) does not run "
-            "with speculative decoding; compress the prompt only (decode=None) or turn "
-            "speculative decoding off")
-    method = getattr(speculative_config, "method", None)
-    if method != "ngram":
-        raise NotImplementedError(
-            f"speculative_config: kvprune_cuda.vllm runs beside n-gram drafts only (method "
-            f"'ngram'), not {method!r}, whose draft model keeps a KV cache kvprune does not "
-            "compact")
 
 
 def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:

@@ -7,7 +7,7 @@
   ``pinned`` tokens are kept whole: its prefix-cache hits and the leading blocks another
   request holds too (ref count > 1, whether it hit them before or in this very step); the
   budget applies to the rest. The decisions ride to the workers on the scheduler output
-  (``_policy.PLAN_ATTR``), and the request's own blocks lose their prefix-cache hashes
+  (:class:`~kvprune_cuda.vllm.plan.StepPlan`), and the request's own blocks lose their prefix-cache hashes
   before the workers rewrite them, so no later request can hit stale content; a compressed
   request's blocks are never cached again;
 * with a decode-time rule (``engine_args(decode=...)``), a decoding request is compressed
@@ -29,14 +29,19 @@ rule compresses it again).
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
-from vllm.v1.request import RequestStatus
 
 from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
+from kvprune_cuda.vllm.plan import Compression, PlannedSchedulerOutput, StepPlan, check_report
+from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups
+
+# a child of vLLM's logger: its lines reach the server's log with vLLM's format
+logger = logging.getLogger("vllm.kvprune_cuda")
 
 
 class Held(NamedTuple):
@@ -56,6 +61,8 @@ class Scheduler(_VllmScheduler):
         super().__init__(*args, **kwargs)
         self.kvprune_policy = _policy.from_vllm_config(self.vllm_config)
         self.kvprune_decode = _policy.decode_from_vllm_config(self.vllm_config)
+        check_engine(self.vllm_config, self.kvprune_decode)
+        check_kv_cache_groups(self.kv_cache_config)
         block_size = self.vllm_config.cache_config.block_size
         if self.kvprune_decode is not None and self.kvprune_decode.interval % block_size:
             raise ValueError(f"interval: {self.kvprune_decode.interval} is not a multiple of "
@@ -63,6 +70,8 @@ class Scheduler(_VllmScheduler):
         self.kvprune_held: dict[str, Held] = {}   # req_id -> its compression, while running
         self.kvprune_freed_blocks = 0             # blocks returned to the pool so far
         self._compressing: dict[str, Held] = {}   # req_id -> compression of the step in flight
+        self._steps = 0                           # steps planned so far
+        self._busy = False                        # a request was scheduled since idle
         self._prefix_hits: dict[str, int] = {}    # req_id -> prompt tokens read from the cache
         manager = self.kv_cache_manager
         allocate, cache = manager.allocate_slots, manager.coordinator.cache_blocks
@@ -107,10 +116,11 @@ class Scheduler(_VllmScheduler):
                                                  request.num_output_tokens, tokens, pinned)
             if kept is not None:
                 self._compressing[req_id] = Held(kept, pinned, num_computed + scheduled - kept)
-                plan[req_id] = (kept, pinned, tokens)
+                plan[req_id] = Compression(kept, pinned, tokens)
                 self._uncache_own_blocks(req_id, pinned)
-        setattr(output, _policy.PLAN_ATTR, plan)
-        return output
+        self._steps += 1
+        self._busy |= bool(steps)
+        return PlannedSchedulerOutput.of(output, StepPlan(self._steps, plan))
 
     def _groups(self):
         return self.kv_cache_manager.coordinator.single_type_managers
@@ -135,28 +145,44 @@ class Scheduler(_VllmScheduler):
                 pool._maybe_evict_cached_block(block)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        # the workers compacted exactly the plan (else no block may be freed)
+        check_report(scheduler_output.kvprune_plan, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         compressing, self._compressing = self._compressing, {}
         for req_id, held in compressing.items():
             self._prefix_hits.pop(req_id, None)
             request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                self._free_evicted_blocks(request, held)
+            if request is not None and not request.is_finished():  # else all its blocks are
+                self._free_evicted_blocks(req_id, held)                # freed (or to be) whole
         for state in (self.kvprune_held, self._prefix_hits):
             for req_id in [r for r in state if r not in self.requests]:
                 del state[req_id]
+        self._log_if_idle()
         return outputs
 
-    def _free_evicted_blocks(self, request, held: Held) -> None:
+    def _free_evicted_blocks(self, req_id: str, held: Held) -> None:
         manager = self.kv_cache_manager
         for group in self._groups():
             keep = -(-held.kept // group.block_size)
-            blocks = group.req_to_blocks[request.request_id]
+            blocks = group.req_to_blocks[req_id]
             tail = blocks[keep:]
             del blocks[keep:]
             manager.block_pool.free_blocks(reversed(tail))
             self.kvprune_freed_blocks += len(tail)
-        self.kvprune_held[request.request_id] = held
+            logger.info("kvprune_cuda: request %s keeps %d of %d tokens, %d blocks freed "
+                        "(%d in all)", req_id, held.kept, held.kept + held.evicted, len(tail),
+                        self.kvprune_freed_blocks)
+        self.kvprune_held[req_id] = held
+
+    def _log_if_idle(self) -> None:
+        """Once the last request is done: the pool, which should be whole again."""
+        if self.requests or not self._busy:
+            return
+        self._busy = False
+        pool = self.kv_cache_manager.block_pool
+        logger.info("kvprune_cuda: idle: %d blocks freed by compression in all; %d of %d "
+                    "blocks free in the pool", self.kvprune_freed_blocks,
+                    pool.get_num_free_blocks(), pool.num_gpu_blocks - 1)
 
     def _preempt_request(self, request, *args, **kwargs):
         self.kvprune_held.pop(request.request_id, None)

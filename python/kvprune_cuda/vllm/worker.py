@@ -3,13 +3,17 @@
 :class:`CPUWorker` is vLLM's CPU worker plus :class:`RunnerHooks` on its model runner:
 
 1. ``_prepare_inputs`` (wrapped): reads the step's compressions that the scheduler put on
-   its output (``_policy.PLAN_ATTR``: kept, pinned and held tokens per request), notes the rows
+   its output (:class:`~kvprune_cuda.vllm.plan.StepPlan`: kept, pinned and held tokens per
+   request; a step without a plan is refused), notes the rows
    of earlier prefill chunks whose queries are recorded
    (:func:`~kvprune_cuda.vllm._policy.records`), and, for requests compressed in an earlier
    step, makes attention see the compacted cache: their ``seq_lens`` shrink by the evicted
    count ``e`` and the slot of a token at position p is computed for position ``p - e``.
    Positions themselves (RoPE) stay the original ones.
-2. a forward hook on every decoder ``Attention`` layer: an earlier chunk's row keeps that
+2. after the attention of every decoder ``Attention`` layer (its backend's ``impl.forward``,
+   wrapped: vLLM calls it inside the opaque attention op, which a compiled model runs in
+   order, eagerly, at every step; a forward hook on the module would be traced once by
+   torch.compile and never run again): an earlier chunk's row keeps that
    layer's last ``window`` post-RoPE queries (at most ``window x Hq x D`` per layer and
    request, dropped when its prompt is done, or it finishes or is preempted); after the
    attention of a compressing row (which wrote the last chunk's keys), kvprune reads the
@@ -23,17 +27,19 @@
    evidence every step (snapkv: a ring of its last ``window`` queries; h2o: its query's
    attention added to the held keys' sums) and a row the scheduler picks is compressed the
    same way, selecting by that evidence.
-3. ``execute_model`` (wrapped): after the step, drops the freed blocks from the
-   compressed rows' block tables; the scheduler returns the same blocks to its pool.
+3. ``execute_model`` (wrapped): after the step, checks that every planned request was
+   compacted in every layer (RuntimeError otherwise), drops the freed blocks from the
+   compressed rows' block tables and reports the plan's digest on the step's model output;
+   the scheduler, finding the same digest, returns the same blocks to its pool.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import vllm
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
@@ -43,6 +49,8 @@ from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import _policy
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
+from kvprune_cuda.vllm.plan import ReportedModelRunnerOutput, StepPlan, plan_of
+from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups, check_layer
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
 
@@ -77,6 +85,9 @@ class RunnerHooks:
         self.decode_evidence: dict[str, list] = {}
         self.decoding: list[_Row] = []     # rows whose decode queries the rule observes
         self.compactions = 0               # (layer, request) compactions done
+        self.step_plan: StepPlan = None    # the plan of the step now running
+        self.compacted: Counter = Counter()  # req_id -> layers compacted in this step
+        self.report = None                 # digest of the plan carried out, to report
         self._select_strided_isa()
         prepare, execute = runner._prepare_inputs, runner.execute_model
         runner._prepare_inputs = lambda out, *a, **kw: self._prepare(prepare, out, *a, **kw)
@@ -85,7 +96,17 @@ class RunnerHooks:
                        if isinstance(m, Attention) and m.attn_type == "decoder"]
         self.layer_index = {id(m): i for i, m in enumerate(self.layers)}
         for m in self.layers:
-            m.register_forward_hook(self._after_attention)
+            check_layer(m)
+            m.impl.forward = self._attention_then_compress(m, m.impl.forward)
+
+    def _attention_then_compress(self, module, forward):
+        """``forward`` (a layer's ``impl.forward``), then :meth:`_after_attention`."""
+        def attend(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            out = forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if attn_metadata is not None:
+                self._after_attention(module, query, attn_metadata)
+            return out
+        return attend
 
     def _select_strided_isa(self) -> None:
         """Makes CPU_ATTN store K/V in the "vec" layout (its fallback ISA, used wherever AMX
@@ -105,7 +126,7 @@ class RunnerHooks:
     def _prepare(self, prepare, scheduler_output, *args, **kwargs):
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
-        compress = getattr(scheduler_output, _policy.PLAN_ATTR, {})
+        compress = self.step_plan.rows
         self.plan, self.recording, self.decoding = [], [], []
         observes = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
@@ -143,17 +164,15 @@ class RunnerHooks:
         positions = r.positions[: per_token.shape[0]] - per_token.to(r.positions.dtype)
         r.input_batch.block_table.compute_slot_mapping(num_reqs, qsl, positions)
 
-    def _after_attention(self, module, args, output):
+    def _after_attention(self, module, query: torch.Tensor, meta) -> None:
+        """The work of hook 2 for one layer; ``query`` [T, Hq, D] is the step's, post-RoPE,
+        and ``meta`` the layer's CPU attention metadata."""
         if not self.plan and not self.recording and not self.decoding:
-            return output
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(module.layer_name) if isinstance(meta, dict) else None
-        if meta is None:
-            return output
+            return
         if getattr(module, "isa", "vec") not in STRIDED_ISAS:
             raise RuntimeError(f"kvprune_cuda.vllm: layer {module.layer_name} caches with ISA "
                                f"{module.isa!r}, which compaction cannot address")
-        query = args[0].view(-1, module.num_heads, module.head_size)
+        query = query.view(-1, module.num_heads, module.head_size)
         qsl = meta.query_start_loc.tolist()
         layer = self.layer_index[id(module)]
         rows = lambda row: query[qsl[row.row]:qsl[row.row + 1]]  # noqa: E731
@@ -193,7 +212,7 @@ class RunnerHooks:
             compact_request(cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
             self.compactions += 1
-        return output
+            self.compacted[row.req_id] += 1
 
     def _accumulate(self, req_id: str, layer: int, query: torch.Tensor, keys: torch.Tensor,
                     scale: float) -> None:
@@ -244,16 +263,40 @@ class RunnerHooks:
             self.decode_evidence.pop(req_id, None)
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
+        self.step_plan = plan_of(scheduler_output)
         self._forget(scheduler_output)
+        self.compacted.clear()
         try:
-            return execute(scheduler_output, *args, **kwargs)
+            result = execute(scheduler_output, *args, **kwargs)
         finally:
             plan, self.plan, self.decoding = self.plan, [], []
             recorded, self.recording = {row.req_id for row in self.recording}, []
             for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
                 if req_id not in recorded:
                     self.window_queries.pop(req_id, None)
-            self._truncate(plan)
+        self._check_carried_out(plan)
+        self._truncate(plan)
+        return result
+
+    def _check_carried_out(self, plan: list[_Row]) -> None:
+        """RuntimeError unless every request of the step's plan was compacted in every layer;
+        then the plan's digest is what this worker reports."""
+        expected = self.step_plan
+        done = {row.req_id: expected.rows[row.req_id] for row in plan
+                if self.compacted[row.req_id] == len(self.layers)}
+        if done != expected.rows:
+            raise RuntimeError(
+                f"kvprune_cuda.vllm: step {expected.step} planned compressions of "
+                f"{sorted(expected.rows)}; compacted in all {len(self.layers)} layers: "
+                f"{sorted(done)} (per request: {dict(self.compacted)})")
+        self.report = StepPlan(expected.step, done).digest() if done else None
+
+    def reported(self, output):
+        """``output`` (the step's model output) with the digest of the plan carried out."""
+        if self.report is None or output is None:
+            return output
+        digest, self.report = self.report, None
+        return ReportedModelRunnerOutput.of(output, digest)
 
     def _truncate(self, plan: list[_Row]) -> None:
         """Drops the blocks past each compressed row's kept tokens from its block tables."""
@@ -277,9 +320,18 @@ class CPUWorker(_VllmCPUWorker):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         check_vllm_version(vllm.__version__)
+        decode = _policy.decode_from_vllm_config(self.vllm_config)
+        check_engine(self.vllm_config, decode)
+        check_kv_cache_groups(kv_cache_config)
         super().initialize_from_config(kv_cache_config)
         self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config),
-                                   _policy.decode_from_vllm_config(self.vllm_config))
+                                   decode)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        return self.kvprune.reported(super().execute_model(scheduler_output, *args, **kwargs))
+
+    def sample_tokens(self, *args, **kwargs):
+        return self.kvprune.reported(super().sample_tokens(*args, **kwargs))
 
     def kvprune_stats(self) -> dict:
         """Compactions done, requests held compressed, requests whose observation-window

@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""vLLM's OpenAI server as operators run it, dense and with kvprune_cuda.vllm, over HTTP.
+
+Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
+
+    .venv-vllm/bin/python bench/bench_vllm_server.py      # table + bench/results/vllm_server.json
+
+For each ``--modes`` entry ("compile": vLLM's default torch.compile; "eager":
+``--enforce-eager``) and each setting ("dense": vLLM's server untouched; "snapkv": the same
+server with ``kp.vllm.server_args("snapkv", --budget)``), one server
+(``python -m vllm.entrypoints.openai.api_server``, its engine core and worker in processes of
+their own, chunked prefill and prefix caching on) with a KV pool of ``--pool-requests`` dense
+requests' worth of blocks serves the same passkey requests (bench_vllm.py's: Qwen2.5-Coder-0.5B-
+Instruct, ~``--tokens`` prompt tokens, greedy, ``--gen`` tokens each, EOS ignored), sent as
+streamed ``/v1/completions`` by one client thread per request, in two workloads: a burst (all
+at t = 0) and Poisson arrivals at ``--rate`` requests/s (seeded). Reported per run:
+requests/s and output tokens/s over the run, TTFT and TPOT (p50 / p99), peak and
+time-weighted mean of ``vllm:num_requests_running`` polled from ``/metrics`` every 0.2 s, and
+pass keys right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from bench_vllm import BLOCK, make_requests, percentile  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir, flags, log_path):
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        env.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
+             *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        end = time.time() + 900
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}; log {log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"server not ready; log {log_path}")
+
+    def running(self) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running"):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def one_request(port, ids, gen, t0, record):
+    """Streams one completion; records (arrival, first token, last token, tokens, text)."""
+    body = {"model": "m", "prompt": ids, "max_tokens": gen, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    arrival = time.perf_counter() - t0
+    first = last = None
+    text, chunks = [], 0
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event["choices"] and event["choices"][0]["text"]:
+                now = time.perf_counter() - t0
+                first = now if first is None else first
+                last = now
+                text.append(event["choices"][0]["text"])
+                chunks += 1
+    record.update(arrival=arrival, first=first, last=last, text="".join(text))
+
+
+def workload(server, reqs, gen, arrivals):
+    """Sends ``reqs`` at ``arrivals`` (s after the start); polls the running count meanwhile."""
+    t0 = time.perf_counter()
+    records = [dict() for _ in reqs]
+    polls, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            polls.append((time.perf_counter() - t0, server.running()))
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    threads = []
+    for (ids, _), at, rec in zip(reqs, arrivals, records):
+        delay = at - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one_request, args=(server.port, ids, gen, t0, rec))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    makespan = time.perf_counter() - t0
+    stop.set()
+    poller.join()
+    ttft = [r["first"] - r["arrival"] for r in records]
+    tpot = [(r["last"] - r["first"]) / max(gen - 1, 1) for r in records]
+    weighted = sum((t1 - t0_) * run for (t0_, run), (t1, _) in zip(polls, polls[1:]))
+    return {"makespan_s": makespan, "req_per_s": len(reqs) / makespan,
+            "out_tok_per_s": len(reqs) * gen / makespan,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "peak_running": max(run for _, run in polls),
+            "mean_running": weighted / max(polls[-1][0] - polls[0][0], 1e-9),
+            "hits": sum(key in r["text"][:40] for (_, key), r in zip(reqs, records)),
+            "n": len(reqs)}
+
+
+def table(rows, meta):
+    lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']} OpenAI server (engine core and "
+             f"worker in their own processes; chunked prefill, prefix caching on); "
+             f"{meta['dtype']}; commit {meta['commit']}",
+             f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
+             f"generated; pool {meta['pool_blocks']} blocks of {BLOCK} (= "
+             f"{meta['pool_requests']} dense requests); Poisson rate {meta['rate']}/s", "",
+             "| mode | setting | workload | peak running | x dense | mean running | req/s | "
+             "out tok/s | x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | pass key |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dense = {(r["mode"], r["workload"]): r for r in rows if r["setting"] == "dense"}
+    for r in rows:
+        d = dense.get((r["mode"], r["workload"]))
+        x = lambda k: f"{r[k] / d[k]:.2f}" if d and d[k] else "-"  # noqa: E731
+        lines.append(
+            f"| {r['mode']} | {r['setting']} | {r['workload']} | {r['peak_running']:.0f} | "
+            f"{x('peak_running')} | {r['mean_running']:.1f} | {r['req_per_s']:.3f} | "
+            f"{r['out_tok_per_s']:.2f} | {x('out_tok_per_s')} | {r['ttft_p50_s']:.1f} / "
+            f"{r['ttft_p99_s']:.1f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
+            f"{r['hits']}/{r['n']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=36)
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
+    ap.add_argument("--gen", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--pool-requests", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=0.16)
+    ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    ap.add_argument("--modes", nargs="+", default=["compile", "eager"],
+                    choices=["compile", "eager"])
+    ap.add_argument("--workloads", nargs="+", default=["burst", "poisson"],
+                    choices=["burst", "poisson"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_server.json")
+    args = ap.parse_args()
+
+    import vllm
+    from transformers import AutoTokenizer
+
+    import kvprune_cuda as kp
+
+    model_dir = str(common.model_dir())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs = make_requests(tok, args.requests, args.tokens, args.seed)
+    rng = random.Random(args.seed)
+    poisson, t = [], 0.0
+    for _ in reqs:
+        poisson.append(t)
+        t += rng.expovariate(args.rate)
+    arrivals = {"burst": [0.0] * len(reqs), "poisson": poisson}
+    prompt_blocks = -(-(max(len(p) for p, _ in reqs) + args.gen) // BLOCK)
+    pool = args.pool_requests * prompt_blocks + 1
+    common_flags = ["--dtype", args.dtype, "--block-size", str(BLOCK), "--seed", "0",
+                    "--max-model-len", str(args.tokens + args.gen + 64),
+                    "--num-gpu-blocks-override", str(pool), "--max-num-seqs", "96"]
+    settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget)}
+    rows = []
+    for mode in args.modes:
+        for name, flags in settings.items():
+            log = args.out.with_name(f"{args.out.stem}_{mode}_{name}.log")
+            server = Server(model_dir, common_flags + flags
+                            + (["--enforce-eager"] if mode == "eager" else []), log)
+            try:
+                # one warm-up request (compilation of new shapes is not measured)
+                workload(server, reqs[:1], 4, [0.0])
+                for wl in args.workloads:
+                    result = workload(server, reqs, args.gen, arrivals[wl])
+                    rows.append({"mode": mode, "setting": name, "workload": wl, **result})
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                server.stop()
+    meta = {**common.run_meta(), "vllm": vllm.__version__, "n": len(reqs),
+            "prompt_tokens": args.tokens, "gen": args.gen, "pool_blocks": pool,
+            "pool_requests": args.pool_requests, "rate": args.rate, "dtype": args.dtype}
+    print(table(rows, meta))
+    common.write_json(args.out, {"meta": meta, "args": common.args_dict(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
