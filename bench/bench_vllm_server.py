@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -39,54 +35,20 @@ import common  # noqa: E402
 from bench_vllm import BLOCK, make_requests, percentile  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def running(server) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge, from the server's ``/metrics``."""
+    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
-class Server:
-    def __init__(self, model_dir, flags, log_path):
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-        env.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-             "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
-             *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        end = time.time() + 900
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}; log {log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"server not ready; log {log_path}")
-
-    def running(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("vllm:num_requests_running"):
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def one_request(port, ids, gen, t0, record):
+def one_request(server, ids, gen, t0, record):
     """Streams one completion; records (arrival, first token, last token, tokens, text)."""
     body = {"model": "m", "prompt": ids, "max_tokens": gen, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+    req = urllib.request.Request(server.url("/v1/completions"),
                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
     arrival = time.perf_counter() - t0
     first = last = None
@@ -114,7 +76,7 @@ def workload(server, reqs, gen, arrivals):
 
     def poll():
         while not stop.is_set():
-            polls.append((time.perf_counter() - t0, server.running()))
+            polls.append((time.perf_counter() - t0, running(server)))
             time.sleep(0.2)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -124,7 +86,7 @@ def workload(server, reqs, gen, arrivals):
         delay = at - (time.perf_counter() - t0)
         if delay > 0:
             time.sleep(delay)
-        th = threading.Thread(target=one_request, args=(server.port, ids, gen, t0, rec))
+        th = threading.Thread(target=one_request, args=(server, ids, gen, t0, rec))
         th.start()
         threads.append(th)
     for th in threads:
@@ -190,6 +152,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import kvprune_cuda as kp
+    from kvprune_cuda.vllm.serve import ServerProcess
 
     model_dir = str(common.model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -202,7 +165,7 @@ def main() -> None:
     arrivals = {"burst": [0.0] * len(reqs), "poisson": poisson}
     prompt_blocks = -(-(max(len(p) for p, _ in reqs) + args.gen) // BLOCK)
     pool = args.pool_requests * prompt_blocks + 1
-    common_flags = ["--dtype", args.dtype, "--block-size", str(BLOCK), "--seed", "0",
+    common_flags = ["--served-model-name", "m", "--dtype", args.dtype, "--block-size", str(BLOCK), "--seed", "0",
                     "--max-model-len", str(args.tokens + args.gen + 64),
                     "--num-gpu-blocks-override", str(pool), "--max-num-seqs", "96"]
     settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget)}
@@ -210,9 +173,11 @@ def main() -> None:
     for mode in args.modes:
         for name, flags in settings.items():
             log = args.out.with_name(f"{args.out.stem}_{mode}_{name}.log")
-            server = Server(model_dir, common_flags + flags
-                            + (["--enforce-eager"] if mode == "eager" else []), log)
+            server = ServerProcess(model_dir, common_flags + flags
+                                   + (["--enforce-eager"] if mode == "eager" else []), log,
+                                   env={"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"})
             try:
+                server.wait_ready(900)
                 # one warm-up request (compilation of new shapes is not measured)
                 workload(server, reqs[:1], 4, [0.0])
                 for wl in args.workloads:

@@ -30,15 +30,20 @@ NEW_TOKENS = 16
 BUDGET = 0.2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def tiny_model() -> "transformers.Qwen2ForCausalLM":
+    """The tests' random Qwen2 (vocabulary 512, 2 layers, 4 query and 2 KV heads), seeded."""
     cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=2048,
                                    tie_word_embeddings=True, initializer_range=0.2)
     torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tiny_model().save_pretrained(path)
     return str(path)
 
 

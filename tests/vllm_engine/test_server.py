@@ -13,13 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -30,6 +24,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda.vllm.serve import ServerProcess  # noqa: E402
+from test_engine import tiny_model  # noqa: E402
 
 BUDGET = 0.2
 NEW_TOKENS = 12
@@ -66,22 +62,11 @@ def tiny_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory):
-    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=2048,
-                                   tie_word_embeddings=True, initializer_range=0.2)
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_qwen2_served")
-    model = transformers.Qwen2ForCausalLM(cfg)
+    model = tiny_model()
     model.save_pretrained(path)
     tok = tiny_tokenizer(path)
     return str(path), model.eval(), tok
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port, route, body, stream=False):
@@ -97,53 +82,6 @@ def post(port, route, body, stream=False):
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
         return events
-
-
-class Server:
-    """vLLM's OpenAI server in a process of its own; its log goes to ``log``."""
-
-    def __init__(self, model_dir, log_path, *flags):
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-             "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
-             "--seed", "0", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd="/tmp",
-            start_new_session=True)
-
-    def wait_ready(self, timeout=400):
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"server not ready in {timeout} s:\n{self.text()[-4000:]}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # vLLM stops its engine core itself
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
-    def text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
 
 
 def hf_compressed(model, prompt, max_tokens=NEW_TOKENS):
@@ -170,8 +108,12 @@ def test_openai_server_default_mode_matches_kp_hf_and_frees_blocks(served_model,
                                         return_dict=False) for c in chats]
     n300 = prompts[300]
 
-    server = Server(model_dir, tmp_path / "server.log",
-                    *kp.vllm.server_args("snapkv", BUDGET))
+    server = ServerProcess(
+        model_dir, ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len",
+                    "1024", "--block-size", "32", "--seed", "0",
+                    *kp.vllm.server_args("snapkv", BUDGET)],
+        tmp_path / "server.log",
+        env=dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1"))
     try:
         server.wait_ready()
         greedy = dict(model="tiny", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,

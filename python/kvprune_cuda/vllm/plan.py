@@ -40,6 +40,14 @@ class StepPlan:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def _extended(cls, base, **fields):
+    """An instance of ``cls`` (a dataclass extending ``type(base)``) with every field of
+    ``base`` as it is, plus ``fields``."""
+    extended = cls.__new__(cls)
+    extended.__dict__.update(base.__dict__, **fields)
+    return extended
+
+
 @dataclasses.dataclass
 class PlannedSchedulerOutput(SchedulerOutput):
     """vLLM's scheduler output with the step's :class:`StepPlan`."""
@@ -47,11 +55,7 @@ class PlannedSchedulerOutput(SchedulerOutput):
 
     @classmethod
     def of(cls, output: SchedulerOutput, plan: StepPlan) -> "PlannedSchedulerOutput":
-        """``output`` (every field, as it is) with ``plan``."""
-        planned = cls.__new__(cls)
-        planned.__dict__.update(output.__dict__)
-        planned.kvprune_plan = plan
-        return planned
+        return _extended(cls, output, kvprune_plan=plan)
 
 
 @dataclasses.dataclass
@@ -61,10 +65,7 @@ class ReportedModelRunnerOutput(ModelRunnerOutput):
 
     @classmethod
     def of(cls, output: ModelRunnerOutput, digest: str) -> "ReportedModelRunnerOutput":
-        reported = cls.__new__(cls)
-        reported.__dict__.update(output.__dict__)
-        reported.kvprune_done = digest
-        return reported
+        return _extended(cls, output, kvprune_done=digest)
 
 
 def plan_of(scheduler_output) -> StepPlan:

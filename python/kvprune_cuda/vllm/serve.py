@@ -12,7 +12,13 @@ does not support stops the server at start with an error naming it.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from typing import Optional, Sequence
 
 from kvprune_cuda.vllm import server_args
@@ -63,6 +69,63 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     sys.argv = [sys.argv[0], *args]
     serve()
+
+
+class ServerProcess:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server --model model
+    *flags``) in a process of its own on a free port of 127.0.0.1, its output in ``log_path``:
+    what the tests and benchmarks start, as an operator would. The environment is this one
+    without ``VLLM_ENABLE_V1_MULTIPROCESSING`` (vLLM's default: its engine core in a process
+    of its own), plus ``env``."""
+
+    def __init__(self, model: str, flags: Sequence[str], log_path, env: Optional[dict] = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        environ.update(env or {})
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--host", "127.0.0.1", "--port", str(self.port), *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env=environ)
+
+    def url(self, route: str) -> str:
+        return f"http://127.0.0.1:{self.port}{route}"
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Returns once ``/health`` answers; RuntimeError (with the log's end) if the server
+        exits or is not ready in ``timeout`` seconds."""
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=5):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.text()[-4000:]}")
+
+    def stop(self) -> int:
+        """SIGINT (vLLM stops its engine core itself), then SIGKILL after 120 s; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def text(self) -> str:
+        """The server's output so far."""
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
 
 
 if __name__ == "__main__":
