@@ -20,7 +20,6 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
-from kvprune_cuda.vllm import _policy  # noqa: E402
 from test_engine import BLOCK, BUDGET, NEW_TOKENS, make_llm  # noqa: E402
 from test_engine import hf_model, model_dir  # noqa: E402,F401  (fixtures)
 
@@ -52,7 +51,6 @@ def test_shared_blocks_stay_shared_and_whole(model_dir, hf_model):
     system, x, z = rand(SYSTEM), rand(300), rand(300)
     prompts = {"c1": x, "c2": x[:160] + rand(140), "a": z}           # (c) and (b)'s first
     prompts.update({f"sys{i}": system + rand(n) for i, n in enumerate((150, 200, 97, 300))})
-    policy = kp.vllm.engine_policy("snapkv", BUDGET)
     llm = make_llm(model_dir, max_num_seqs=16, **kp.vllm.engine_args("snapkv", BUDGET))
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
@@ -90,8 +88,13 @@ def test_shared_blocks_stay_shared_and_whole(model_dir, hf_model):
     assert held["c1"].pinned == held["c2"].pinned == 160
     # (b) b found none of a's rewritten blocks in the cache: both computed z in full alike
     assert held["a"].pinned == held["b"].pinned == 0 and outputs["a"] == outputs["b"]
+    # kept = pinned + max(round(0.2 * own tokens), n_sink + window = 36), by hand
+    assert {r: held[r].kept for r in prompts} == {
+        "c1": 160 + 36, "c2": 160 + 36,        # 140 own tokens: 28 < 36
+        "a": 60, "b": 60,                      # 300 tokens, nothing pinned
+        "sys0": 128 + 36, "sys1": 128 + 40,    # own 150 (30 < 36), 200
+        "sys2": 128 + 36, "sys3": 128 + 60}    # own 97 (19 < 36), 300
     for r, p in prompts.items():
-        assert held[r].kept == _policy.kept_tokens(policy, len(p), held[r].pinned)
         assert outputs[r] == hf_snapkv_pinned(hf_model, p, held[r].kept, held[r].pinned), r
     # the shared blocks were never written: byte-identical after every compression
     after = _blocks_bytes(llm, system_blocks)

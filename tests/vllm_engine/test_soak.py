@@ -190,6 +190,14 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     assert len(outputs) + len(aborted) == REQUESTS
     assert all(len(outputs[r]) == work[r][1] for r in outputs)
 
+    # a sample of requests compressed alone (never preempted, nothing pinned): kp.hf's tokens
+    # under the same rule, an oracle outside the engine
+    sample = [r for r in sorted(outputs) if r not in preempted and r not in pinned
+              and prompt_kept.get(r) is not None][:6]
+    assert len(sample) == 6
+    for r in sample:
+        assert outputs[r] == _hf_pinned(hf_model, work[r][0], work[r][1], prompt_kept[r], 0), r
+
     # every finished request that was never preempted generates what it generates alone
     # (a preempted one is recomputed dense: its continuation is the dense cache's); one that
     # kept a shared prefix whole, what kp.hf generates under that rule
