@@ -1,7 +1,9 @@
 """kp.vllm.engine_args and the shared compression rule (no vLLM needed; the engine itself
 is tested by tests/vllm_engine in its own environment)."""
 
+import dataclasses
 import json
+import typing
 
 import pytest
 
@@ -112,15 +114,39 @@ def test_a_policy_instance_keeps_its_options():
     assert rule["additional_config"]["kvprune"]["decode"]["kernel_size"] == 15
 
 
-def test_a_policy_subclass_is_refused():
-    """Every vLLM process rebuilds the policy from its name: a subclass would silently lose
-    its overrides there."""
-    class Mine(kp.policy.SnapKV):
-        def score(self, queries, keys, *, scale=None, seq_lens=None):
-            raise AssertionError("never called")
+@dataclasses.dataclass(frozen=True)
+class Wider(kp.policy.SnapKV):
+    """A user's policy at the top level of an importable module: kp.vllm runs it."""
+    name: typing.ClassVar[str] = "snapkv-wider"
 
-    with pytest.raises(ValueError, match="policy: .*subclass"):
+
+def test_a_policy_class_travels_by_module_path():
+    args = kp.vllm.engine_args(Wider(0.1, kernel_size=15))
+    cfg = args["additional_config"]["kvprune"]
+    assert cfg["class"] == "test_vllm_args:Wider" and cfg["policy"] == "snapkv-wider"
+    got = _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
+    assert type(got) is Wider and got == Wider(0.1, kernel_size=15)
+    assert "snapkv-wider" in kp.policy.registered()  # the process that rebuilt it knows it
+
+
+def test_a_policy_vllm_cannot_import_is_refused():
+    """Every vLLM process imports the policy's class by its module path: a class defined in a
+    function, or one whose module a process cannot import, is refused by name."""
+    class Mine(kp.policy.SnapKV):
+        name: typing.ClassVar[str] = "mine"
+
+    with pytest.raises(ValueError, match="policy: .*inside a function"):
         kp.vllm.engine_args(Mine())
+    cfg = {**kp.vllm.engine_args("snapkv")["additional_config"]["kvprune"],
+           "class": "no_such_module:Policy"}
+    with pytest.raises(ValueError, match="policy: this vLLM process cannot import"):
+        _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
+
+
+def test_policies_whose_evidence_the_engine_lacks_are_refused():
+    for name, evidence in (("h2o", "attention"), ("kvzip", "reconstruction")):
+        with pytest.raises(ValueError, match=f"policy: '{name}' scores by '{evidence}'"):
+            kp.vllm.engine_args(name)
 
 
 def test_speculative_decoding_beyond_ngram_prompt_compression_is_refused():

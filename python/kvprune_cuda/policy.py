@@ -11,7 +11,12 @@ Torch-only (no transformers, no vllm). A policy object holds its options, valida
   :func:`kvprune_cuda.select_keep`, after the ``n_sink`` sinks and the last ``window``
   tokens, which every policy keeps).
 
-Adding a policy is one class here (and its entry in :data:`POLICIES`) plus its test.
+A policy also declares the evidence it scores by (:attr:`Policy.evidence`): nothing, the
+last ``window`` observed queries, attention accumulated over forwards, or the model's
+reconstruction of the context; integrations (``kp.hf``, ``kp.vllm``) ask the policy, never
+its class. A new policy is one small class anywhere (a frozen dataclass extending
+:class:`Policy`, with a ``name``, its ``evidence`` and its ``score``) made known by its name
+with :func:`register` (docs/policy.md, "Write your own policy").
 
 :class:`DecodeRule` is the periodic decode-time rule built on them (:func:`make_decode`):
 every ``interval`` generated tokens, a cache holding more than ``max_held`` tokens is
@@ -29,6 +34,11 @@ import kvprune_cuda as kp
 
 SCOPES = ("layer", "global", "head")  # how a budget is shared: per layer, over layers, per head
 GQA = ("mean", "max", "sum")
+# Policy.evidence: what its score reads besides the keys
+EVIDENCE = ("none",             # the keys alone (or nothing: positions)
+            "window_queries",   # the last `window` post-RoPE queries of the prompt
+            "attention",        # attention accumulated over every observed query (h2o)
+            "reconstruction")   # maxima while the model reconstructs the context (kvzip)
 
 
 def resolve_budget(budget: Union[int, float], n: int) -> int:
@@ -61,6 +71,7 @@ class Policy:
     ``budget`` tokens in all (a fraction of the prompt in (0, 1] or a count)."""
 
     name: ClassVar[str] = ""
+    evidence: ClassVar[str] = "none"        # one of EVIDENCE
     fixed_capacity: ClassVar[bool] = False  # kp.hf: decoding evicts, holding `budget` slots
     default_scope: ClassVar[str] = "layer"   # kp.hf.compress_context's measured default
 
@@ -90,8 +101,11 @@ class Policy:
         return max(resolve_budget(b, n), self.min_keep)
 
     def observed_queries(self, q_len: int) -> int:
-        """How many of a forward's last ``q_len`` queries the policy needs (0: none)."""
-        return 0
+        """How many of a forward's last ``q_len`` queries the policy needs, by its evidence:
+        the last ``window`` ("window_queries"), all ("attention"), none (otherwise)."""
+        if self.evidence == "window_queries":
+            return min(q_len, self.window)
+        return q_len if self.evidence == "attention" else 0
 
     @property
     def ranks(self) -> bool:
@@ -150,6 +164,7 @@ class SnapKV(Policy):
     a KV group combined by ``gqa``), 1-D pooled over ``kernel_size`` positions."""
 
     name: ClassVar[str] = "snapkv"
+    evidence: ClassVar[str] = "window_queries"
     kernel_size: int = 7
     pool: str = "max"
     gqa: str = "mean"
@@ -161,9 +176,6 @@ class SnapKV(Policy):
         _check_int("kernel_size", self.kernel_size, 1)
         _check_choice("pool", self.pool, ("max", "avg"))
         _check_choice("gqa", self.gqa, GQA)
-
-    def observed_queries(self, q_len: int) -> int:
-        return min(q_len, self.window)
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = kp.window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
@@ -178,6 +190,7 @@ class H2O(Policy):
     while decoding, each new token replacing the lowest-scored one outside sinks and window."""
 
     name: ClassVar[str] = "h2o"
+    evidence: ClassVar[str] = "attention"
     fixed_capacity: ClassVar[bool] = True
     gqa: str = "mean"
 
@@ -188,9 +201,6 @@ class H2O(Policy):
     @property
     def min_keep(self) -> int:
         return self.n_sink + self.window + 1  # a free slot for the next token
-
-    def observed_queries(self, q_len: int) -> int:
-        return q_len
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         return kp.window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
@@ -206,6 +216,7 @@ class KVzip(Policy):
     default (``window=0``), as KVzip does. Only kp.hf.compress_context runs it."""
 
     name: ClassVar[str] = "kvzip"
+    evidence: ClassVar[str] = "reconstruction"
     default_scope: ClassVar[str] = "head"  # 20/20 passkey at 10 % (bench/RESULTS.md)
     window: int = 0
     gqa: str = "max"
@@ -228,8 +239,35 @@ class KVzip(Policy):
                                 qreduce="max", out=out)
 
 
-_CLASSES = (Full, Streaming, SnapKV, H2O, KVzip)
-POLICIES = tuple(c.name for c in _CLASSES)
+POLICIES = ("full", "streaming", "snapkv", "h2o", "kvzip")  # the built-in policies
+_REGISTRY: dict = {}  # name -> Policy class: the built-ins and every registered one
+
+
+def register(cls: type) -> type:
+    """Makes the policy class ``cls`` known by its ``name`` to :func:`make` (so ``kp.hf`` and
+    ``kp.vllm`` accept the name); returns ``cls``, so it works as a class decorator. ``cls``:
+    a dataclass extending :class:`Policy` with a non-empty ``name`` no other class holds and
+    an ``evidence`` of :data:`EVIDENCE` (ValueError naming ``cls`` otherwise)."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)) or cls is Policy:
+        raise ValueError(f"cls: expected a subclass of kp.policy.Policy, got {cls!r}")
+    if not cls.name or not isinstance(cls.name, str):
+        raise ValueError(f"cls: {cls.__name__} needs a class attribute name (a non-empty str)")
+    _check_choice(f"cls: {cls.__name__}.evidence", cls.evidence, EVIDENCE)
+    held = _REGISTRY.get(cls.name)
+    if held is not None and (held.__module__, held.__qualname__) != (cls.__module__,
+                                                                      cls.__qualname__):
+        raise ValueError(f"cls: the name {cls.name!r} is {held.__module__}.{held.__qualname__}'s")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> tuple:
+    """The names :func:`make` knows: the built-ins, then the registered ones."""
+    return tuple(_REGISTRY)
+
+
+for _cls in (Full, Streaming, SnapKV, H2O, KVzip):
+    register(_cls)
 
 
 def make(policy: Union[str, Policy], **options) -> Policy:
@@ -240,8 +278,8 @@ def make(policy: Union[str, Policy], **options) -> Policy:
     if isinstance(policy, Policy):
         cls, base = type(policy), asdict(policy)
     else:
-        _check_choice("policy", policy, POLICIES)
-        cls, base = _CLASSES[POLICIES.index(policy)], {}
+        _check_choice("policy", policy, registered())
+        cls, base = _REGISTRY[policy], {}
     names = {f.name for f in fields(cls)}
     return cls(**{**base, **{k: v for k, v in options.items() if k in names}})
 
@@ -340,6 +378,6 @@ def decode_options(prompt: Policy, **options) -> dict:
     return {f: getattr(prompt, f, v) for f, v in options.items()}
 
 
-__all__ = ["POLICIES", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
+__all__ = ["POLICIES", "EVIDENCE", "register", "registered", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
            "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode",
            "decode_options"]

@@ -226,7 +226,7 @@ class ScoredContext:
             shape = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"ids: expected a [{b}, m >= 1] tensor of token ids, got {shape}")
         ids = ids.to(self.context_ids.device)
-        kept = [p for p in self.policies if not isinstance(p, policies.KVzip)]
+        kept = [p for p in self.policies if p.evidence != "reconstruction"]
         kept = kept or [policies.make("full", **self._options)]
         comp = KVCompressor(self.model, kept[0], compress_on_prefill=False, observe=kept[1:])
         comp.restore(self._state)

@@ -65,9 +65,9 @@ class KVCompressor:
             raise ValueError(f"decode: the prompt policy {self.policy.name!r} already holds a "
                              "fixed-capacity ring while decoding; use it with 'snapkv' or "
                              "'full'")
-        if isinstance(self.policy, policies.KVzip) and compress_on_prefill:
-            raise ValueError("policy: 'kvzip' scores by reconstructing the context after its "
-                             "prefill; use kp.hf.compress_context")
+        if self.policy.evidence == "reconstruction" and compress_on_prefill:
+            raise ValueError(f"policy: {self.policy.name!r} scores by reconstructing the "
+                             "context after its prefill; use kp.hf.compress_context")
         self.observed = [self.policy, *observe]
         self.model = model
         self.compress_on_prefill = compress_on_prefill
@@ -295,12 +295,12 @@ class KVCompressor:
 
     def _record(self, st: LayerState, qn: torch.Tensor, k: torch.Tensor) -> None:
         """Records the observed queries ``qn`` [B, Hq, n_q, D] for every observed policy."""
-        window = max((p.window for p in self.observed if isinstance(p, policies.SnapKV)),
+        window = max((p.window for p in self.observed if p.evidence == "window_queries"),
                      default=0)
         if window:
             scoring.record_queries(st, qn, window)
         for p in self.observed:
-            if isinstance(p, policies.H2O):
+            if p.evidence == "attention":
                 pad = scoring.left_padding(self.prefill_valid, k.shape[2])
                 scoring.accumulate_h2o(st, p, qn, k, pad)
                 break

@@ -129,17 +129,19 @@ def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor,
                      ) -> torch.Tensor:
     """fp32 [B, Hkv, n]: the scores ``policy`` ranks a layer's uncompressed, unpadded keys
     ``k`` [B, Hkv, n, D] by: the window queries' pooled vote (snapkv), the accumulated
-    attention (h2o), the reconstruction maxima (kvzip), recency (streaming)."""
-    if isinstance(policy, policies.SnapKV):
+    attention (h2o), the reconstruction maxima (kvzip), recency (streaming): what the
+    policy's ``evidence`` names."""
+    if policy.evidence == "window_queries":
         if st.queries is None or st.queries.shape[2] < policy.window:
-            raise RuntimeError(f"policy: 'snapkv' needs {policy.window} observed queries in layer "
-                               f"{layer}; the compressor recorded "
+            raise RuntimeError(f"policy: {policy.name!r} needs {policy.window} observed queries "
+                               f"in layer {layer}; the compressor recorded "
                                f"{0 if st.queries is None else st.queries.shape[2]}")
         return policy.score(st.queries[:, :, st.queries.shape[2] - policy.window:], k)
-    recorded = {"h2o": st.h2o, "kvzip": st.kvzip}
-    if policy.name in recorded:
-        if recorded[policy.name] is None:
-            raise RuntimeError(f"policy: {policy.name!r} has no scores recorded for layer {layer} "
-                               "(h2o: not observed by the compressor; kvzip: no reconstruction)")
-        return recorded[policy.name]
+    recorded = {"attention": st.h2o, "reconstruction": st.kvzip}
+    if policy.evidence in recorded:
+        if recorded[policy.evidence] is None:
+            raise RuntimeError(f"policy: {policy.name!r} has no {policy.evidence} scores recorded "
+                               f"for layer {layer} (attention: not observed by the compressor; "
+                               "reconstruction: none run)")
+        return recorded[policy.evidence]
     return policy.score(None, k)

@@ -41,8 +41,8 @@ import json
 from typing import Optional, Union
 
 from kvprune_cuda.policy import decode_options, make_decode
-from kvprune_cuda.vllm._policy import (CONFIG_KEY, POLICIES, engine_config, engine_policy,
-                                       kept_tokens)
+from kvprune_cuda.vllm._policy import (CONFIG_KEY, ENGINE_EVIDENCE, engine_config,
+                                       engine_policy, kept_tokens)
 
 SUPPORTED_VLLM = ("0.32.0",)
 
@@ -72,9 +72,12 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     multiple of the engine's block size), a request holding more than ``max_held`` tokens is
     compressed back to ``max_held`` and its emptied blocks are freed; the same options.
 
-    ``policy``: a name in :data:`POLICIES` or an instance of its
-    :mod:`kvprune_cuda.policy` class; options left None keep the policy's own (budget 0.2,
-    n_sink 4, window 32, kernel_size 7 for a name)."""
+    ``policy``: a name :func:`kvprune_cuda.policy.registered` knows, or a
+    :class:`kvprune_cuda.policy.Policy` object (yours too: its class is imported by module
+    path in every vLLM process, so it must be defined at the top level of an importable
+    module) whose evidence the engine gives (:data:`ENGINE_EVIDENCE`: the keys, the last
+    window queries); options left None keep the policy's own (budget 0.2, n_sink 4, window
+    32, kernel_size 7 for a name)."""
     p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
                       pool=pool, gqa=gqa)
     rule = make_decode(decode, max_held, interval, **decode_options(
@@ -98,5 +101,5 @@ def server_args(policy: Union[str, "policies.Policy"] = "snapkv",
             "--additional-config", json.dumps(args["additional_config"])]
 
 
-__all__ = ["engine_args", "server_args", "check_vllm_version", "engine_policy", "kept_tokens", "POLICIES",
+__all__ = ["engine_args", "server_args", "check_vllm_version", "engine_policy", "kept_tokens", "ENGINE_EVIDENCE",
            "SUPPORTED_VLLM"]
