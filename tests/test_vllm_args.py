@@ -8,8 +8,8 @@ import typing
 import pytest
 
 import kvprune_cuda as kp
-from kvprune_cuda.vllm import _policy
-from kvprune_cuda.vllm._policy import engine_policy
+from kvprune_cuda.vllm import config, rules
+from kvprune_cuda.vllm.config import engine_policy
 from kvprune_cuda.vllm.support import check_engine
 
 
@@ -20,7 +20,7 @@ def test_engine_args_wire_the_hooks_and_the_policy():
     # vLLM's defaults stand: chunked prefill and prefix caching on
     assert "enable_prefix_caching" not in args and "enable_chunked_prefill" not in args
     cfg = args["additional_config"]["kvprune"]
-    assert _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}})) \
+    assert config.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}})) \
         == kp.policy.SnapKV(0.1, 2, 16, kernel_size=5)
 
 
@@ -36,44 +36,44 @@ def test_bad_arguments_are_named(kwargs, name):
 
 def test_kept_tokens_follow_kp_hf():
     p = engine_policy("snapkv", 0.2)  # n_sink 4 + window 32 = 36 at least
-    assert _policy.kept_tokens(p, 300) == 60 == p.kept_tokens(300)  # kp.policy's rule
-    assert _policy.kept_tokens(p, 100) == 36
-    assert _policy.kept_tokens(p, 36) is None and _policy.kept_tokens(p, 20) is None  # nothing to evict
-    assert _policy.kept_tokens(engine_policy("snapkv", 50), 300) == 50
-    assert _policy.kept_tokens(engine_policy("full"), 300) is None
-    assert _policy.kept_tokens(engine_policy("streaming", 0.2, window=0), 10) == 5  # sinks + one
+    assert rules.kept_tokens(p, 300) == 60 == p.kept_tokens(300)  # kp.policy's rule
+    assert rules.kept_tokens(p, 100) == 36
+    assert rules.kept_tokens(p, 36) is None and rules.kept_tokens(p, 20) is None  # nothing to evict
+    assert rules.kept_tokens(engine_policy("snapkv", 50), 300) == 50
+    assert rules.kept_tokens(engine_policy("full"), 300) is None
+    assert rules.kept_tokens(engine_policy("streaming", 0.2, window=0), 10) == 5  # sinks + one
 
 
 def test_a_pinned_prefix_is_kept_whole_and_the_budget_applies_to_the_rest():
     p = engine_policy("snapkv", 0.2)
-    assert _policy.kept_tokens(p, 300, pinned=0) == _policy.kept_tokens(p, 300)
-    assert _policy.kept_tokens(p, 300, pinned=128) == 128 + 36  # 172 own tokens: 34 < 36
-    assert _policy.kept_tokens(p, 628, pinned=128) == 128 + 100
-    assert _policy.kept_tokens(p, 160, pinned=128) is None      # 32 own tokens: all kept
-    assert _policy.kept_tokens(p, 128, pinned=128) is None
-    assert _policy.compresses(p, 128, 172, 300, pinned=128) == 164
+    assert rules.kept_tokens(p, 300, pinned=0) == rules.kept_tokens(p, 300)
+    assert rules.kept_tokens(p, 300, pinned=128) == 128 + 36  # 172 own tokens: 34 < 36
+    assert rules.kept_tokens(p, 628, pinned=128) == 128 + 100
+    assert rules.kept_tokens(p, 160, pinned=128) is None      # 32 own tokens: all kept
+    assert rules.kept_tokens(p, 128, pinned=128) is None
+    assert rules.compresses(p, 128, 172, 300, pinned=128) == 164
     # kp.hf's policy that keeps what the engine keeps: the pinned tokens as sinks
-    q = _policy.with_pinned(p, 164, 128)
+    q = rules.with_pinned(p, 164, 128)
     assert (q.budget, q.n_sink, q.window) == (164, 128, 32) and q.kept_tokens(300) == 164
-    assert _policy.with_pinned(p, 60, 0) == engine_policy("snapkv", 60)
+    assert rules.with_pinned(p, 60, 0) == engine_policy("snapkv", 60)
 
 
 def test_the_step_of_the_last_prompt_token_compresses():
     p = engine_policy("snapkv", 0.2)
-    assert _policy.compresses(p, 0, 300, 300) == 60        # the whole prompt in one step
-    assert _policy.compresses(p, 0, 256, 300) is None      # an earlier chunk ...
-    assert _policy.records(p, 0, 256, 300)                 # ... records its window queries
-    assert _policy.compresses(p, 256, 44, 300) == 60       # the last chunk compresses
-    assert not _policy.records(p, 256, 44, 300)
-    assert _policy.compresses(p, 300, 1, 300) is None      # decoding
-    assert not _policy.records(p, 300, 1, 300)
+    assert rules.compresses(p, 0, 300, 300) == 60        # the whole prompt in one step
+    assert rules.compresses(p, 0, 256, 300) is None      # an earlier chunk ...
+    assert rules.records(p, 0, 256, 300)                 # ... records its window queries
+    assert rules.compresses(p, 256, 44, 300) == 60       # the last chunk compresses
+    assert not rules.records(p, 256, 44, 300)
+    assert rules.compresses(p, 300, 1, 300) is None      # decoding
+    assert not rules.records(p, 300, 1, 300)
     # a preempted request recomputes prompt + outputs: it stays dense, records nothing
-    assert _policy.compresses(p, 0, 305, 300, num_output=5) is None
-    assert _policy.compresses(p, 256, 44, 300, num_output=5) is None
-    assert not _policy.records(p, 0, 256, 300, num_output=5)
+    assert rules.compresses(p, 0, 305, 300, num_output=5) is None
+    assert rules.compresses(p, 256, 44, 300, num_output=5) is None
+    assert not rules.records(p, 0, 256, 300, num_output=5)
     # nothing to evict, or nothing to observe: nothing recorded
-    assert not _policy.records(p, 0, 20, 36) and _policy.compresses(p, 20, 16, 36) is None
-    assert not _policy.records(engine_policy("streaming", 0.2), 0, 256, 300)
+    assert not rules.records(p, 0, 20, 36) and rules.compresses(p, 20, 16, 36) is None
+    assert not rules.records(engine_policy("streaming", 0.2), 0, 256, 300)
 
 
 def test_missing_config_is_explained():
@@ -81,7 +81,7 @@ def test_missing_config_is_explained():
         additional_config = {}
 
     with pytest.raises(ValueError, match="additional_config"):
-        _policy.from_vllm_config(Cfg())
+        config.from_vllm_config(Cfg())
 
 
 def test_unsupported_vllm_versions_are_refused():
@@ -95,17 +95,17 @@ def test_the_decode_rule_reaches_the_engine_with_its_own_options():
     args = kp.vllm.engine_args("full", decode="snapkv", max_held=64, interval=32,
                                kernel_size=3, pool="avg", gqa="max")
     cfg = type("Cfg", (), {"additional_config": args["additional_config"]})
-    rule = _policy.decode_from_vllm_config(cfg)
+    rule = config.decode_from_vllm_config(cfg)
     assert rule == kp.policy.make_decode("snapkv", 64, 32, kernel_size=3, pool="avg", gqa="max")
     assert (rule.policy.kernel_size, rule.policy.pool, rule.policy.gqa) == (3, "avg", "max")
-    assert _policy.decode_from_vllm_config(
+    assert config.decode_from_vllm_config(
         type("Cfg", (), {"additional_config": kp.vllm.engine_args()["additional_config"]})) is None
 
 
 def test_a_policy_instance_keeps_its_options():
     """Options left out keep the instance's (kernel 15 stays 15, budget 0.1 stays 0.1); given
     ones replace them; the decode rule takes the prompt policy's options."""
-    cfg = lambda args: _policy.from_vllm_config(  # noqa: E731
+    cfg = lambda args: config.from_vllm_config(  # noqa: E731
         type("Cfg", (), {"additional_config": args["additional_config"]}))
     p = kp.policy.SnapKV(0.1, kernel_size=15)
     assert cfg(kp.vllm.engine_args(p)) == p
@@ -124,7 +124,7 @@ def test_a_policy_class_travels_by_module_path():
     args = kp.vllm.engine_args(Wider(0.1, kernel_size=15))
     cfg = args["additional_config"]["kvprune"]
     assert cfg["class"] == "test_vllm_args:Wider" and cfg["policy"] == "snapkv-wider"
-    got = _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
+    got = config.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
     assert type(got) is Wider and got == Wider(0.1, kernel_size=15)
     assert "snapkv-wider" in kp.policy.registered()  # the process that rebuilt it knows it
 
@@ -140,7 +140,7 @@ def test_a_policy_vllm_cannot_import_is_refused():
     cfg = {**kp.vllm.engine_args("snapkv")["additional_config"]["kvprune"],
            "class": "no_such_module:Policy"}
     with pytest.raises(ValueError, match="policy: this vLLM process cannot import"):
-        _policy.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
+        config.from_vllm_config(type("Cfg", (), {"additional_config": {"kvprune": cfg}}))
 
 
 def test_policies_whose_evidence_the_engine_lacks_are_refused():
@@ -154,7 +154,7 @@ def test_speculative_decoding_beyond_ngram_prompt_compression_is_refused():
         args = kp.vllm.engine_args("snapkv", 0.2, **decode)
         c = type("Cfg", (), {"additional_config": args["additional_config"],
                              "speculative_config": type("Spec", (), {"method": method})})
-        return c, _policy.decode_from_vllm_config(c)
+        return c, config.decode_from_vllm_config(c)
 
     check_engine(*cfg("ngram"))
     for method in ("eagle", "draft_model", "mtp"):

@@ -6,7 +6,7 @@ One engine runs three cases at once: (a) requests sharing a 128-token system pro
 request that hits the first blocks of another in the step that compresses that other; (b) a
 request arriving after another with the same prompt was compressed. Every request's
 (kept, pinned) is read off the scheduler while it runs, and its tokens equal kp.hf's under
-the same rule: snapkv with the pinned tokens as sinks (``_policy.with_pinned``).
+the same rule: snapkv with the pinned tokens as sinks (``kvprune_cuda.vllm.rules.with_pinned``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ import json
 from typing import Optional, Union
 
 from kvprune_cuda.policy import decode_options, make_decode
-from kvprune_cuda.vllm._policy import (CONFIG_KEY, ENGINE_EVIDENCE, engine_config,
-                                       engine_policy, kept_tokens)
+from kvprune_cuda.vllm.config import CONFIG_KEY, ENGINE_EVIDENCE, engine_config, engine_policy
+from kvprune_cuda.vllm.rules import kept_tokens
 
 SUPPORTED_VLLM = ("0.32.0",)
 

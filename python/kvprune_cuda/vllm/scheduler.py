@@ -3,7 +3,7 @@
 :class:`Scheduler` is vLLM's scheduler with these additions:
 
 * after vLLM schedules a step, every request whose step computes the last token of its
-  prompt is checked with :func:`~kvprune_cuda.vllm._policy.compresses`. Its first
+  prompt is checked with :func:`~kvprune_cuda.vllm.rules.compresses`. Its first
   ``pinned`` tokens are kept whole: its prefix-cache hits and the leading blocks another
   request holds too (ref count > 1, whether it hit them before or in this very step); the
   budget applies to the rest. The decisions ride to the workers on the scheduler output
@@ -11,7 +11,7 @@
   before the workers rewrite them, so no later request can hit stale content; a compressed
   request's blocks are never cached again;
 * with a decode-time rule (``engine_args(decode=...)``), a decoding request is compressed
-  again, the same way, in the steps that :func:`~kvprune_cuda.vllm._policy.decode_compresses`
+  again, the same way, in the steps that :func:`~kvprune_cuda.vllm.rules.decode_compresses`
   picks (every ``interval`` generated tokens, once it holds more than ``max_held``); a
   request resumed after preemption (recomputed dense) is compressed back in the step that
   completes its recompute, then as before;
@@ -36,7 +36,7 @@ import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
 from kvprune_cuda.vllm import check_vllm_version
-from kvprune_cuda.vllm import _policy
+from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm.plan import Compression, PlannedSchedulerOutput, StepPlan, check_report
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups
 
@@ -59,8 +59,8 @@ class Scheduler(_VllmScheduler):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version(vllm.__version__)
         super().__init__(*args, **kwargs)
-        self.kvprune_policy = _policy.from_vllm_config(self.vllm_config)
-        self.kvprune_decode = _policy.decode_from_vllm_config(self.vllm_config)
+        self.kvprune_policy = config.from_vllm_config(self.vllm_config)
+        self.kvprune_decode = config.decode_from_vllm_config(self.vllm_config)
         check_engine(self.vllm_config, self.kvprune_decode)
         check_kv_cache_groups(self.kv_cache_config)
         block_size = self.vllm_config.cache_config.block_size
@@ -107,11 +107,11 @@ class Scheduler(_VllmScheduler):
             pinned = held.pinned if held else max(self._prefix_hits.get(req_id, 0),
                                                   self._shared_tokens(req_id))
             tokens = num_computed + scheduled - (held.evicted if held else 0)  # held after it
-            kept = _policy.compresses(self.kvprune_policy, num_computed, scheduled,
+            kept = rules.compresses(self.kvprune_policy, num_computed, scheduled,
                                       request.num_prompt_tokens, request.num_output_tokens,
                                       pinned)
             if kept is None:
-                kept = _policy.decode_compresses(self.kvprune_decode, num_computed, scheduled,
+                kept = rules.decode_compresses(self.kvprune_decode, num_computed, scheduled,
                                                  request.num_prompt_tokens,
                                                  request.num_output_tokens, tokens, pinned)
             if kept is not None:

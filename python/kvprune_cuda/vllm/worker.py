@@ -6,7 +6,7 @@
    its output (:class:`~kvprune_cuda.vllm.plan.StepPlan`: kept, pinned and held tokens per
    request; a step without a plan is refused), notes the rows
    of earlier prefill chunks whose queries are recorded
-   (:func:`~kvprune_cuda.vllm._policy.records`), and, for requests compressed in an earlier
+   (:func:`~kvprune_cuda.vllm.rules.records`), and, for requests compressed in an earlier
    step, makes attention see the compacted cache: their ``seq_lens`` shrink by the evicted
    count ``e`` and the slot of a token at position p is computed for position ``p - e``.
    Positions themselves (RoPE) stay the original ones.
@@ -46,7 +46,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
 import kvprune_cuda as kp
 from kvprune_cuda.vllm import check_vllm_version
-from kvprune_cuda.vllm import _policy
+from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
 from kvprune_cuda.vllm.plan import ReportedModelRunnerOutput, StepPlan, plan_of
@@ -134,7 +134,7 @@ class RunnerHooks:
             computed = int(batch.num_computed_tokens_cpu[row])
             scheduled = scheduler_output.num_scheduled_tokens[req_id]
             generated = len(self.runner.requests[req_id].output_token_ids)
-            new = _policy.decode_positions(computed, scheduled, prompt_len, generated)
+            new = rules.decode_positions(computed, scheduled, prompt_len, generated)
             decoding = new > 0
             if req_id in compress:
                 kept, pinned, tokens = compress[req_id]
@@ -143,7 +143,7 @@ class RunnerHooks:
                                        f"{req_id} is not whole blocks of {self.block_size}")
                 self.plan.append(_Row(req_id, row, prompt_len, kept, pinned, tokens, decoding,
                                       computed + scheduled))
-            elif _policy.records(self.policy, computed, scheduled, prompt_len, generated):
+            elif rules.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
             if decoding and observes:
                 held = computed + scheduled - self.evicted.get(req_id, 0)
@@ -199,7 +199,7 @@ class RunnerHooks:
             else:
                 policy, queries = self.policy, self._window(row, layer, rows(row))
             row_blocks = blocks(row)
-            policy = _policy.with_pinned(policy, row.kept, row.pinned)
+            policy = rules.with_pinned(policy, row.kept, row.pinned)
             if row.decode and self.decode.accumulates:  # h2o: by the sums, no key read
                 evidence = self.decode_evidence[row.req_id]
                 idx = kp.select_keep(evidence[layer], row.kept, n_sink=policy.n_sink,
@@ -320,11 +320,11 @@ class CPUWorker(_VllmCPUWorker):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         check_vllm_version(vllm.__version__)
-        decode = _policy.decode_from_vllm_config(self.vllm_config)
+        decode = config.decode_from_vllm_config(self.vllm_config)
         check_engine(self.vllm_config, decode)
         check_kv_cache_groups(kv_cache_config)
         super().initialize_from_config(kv_cache_config)
-        self.kvprune = RunnerHooks(self.model_runner, _policy.from_vllm_config(self.vllm_config),
+        self.kvprune = RunnerHooks(self.model_runner, config.from_vllm_config(self.vllm_config),
                                    decode)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
