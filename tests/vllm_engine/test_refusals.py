@@ -109,3 +109,27 @@ def test_a_refused_engine_does_not_start(model_dir):
                  enforce_eager=True, kv_events_config={"enable_kv_cache_events": True},
                  **kp.vllm.engine_args("snapkv", 0.2))
     gc.collect()
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("ec_transfer_config", object(), "ec_transfer_config"),
+    ("parallel_config", types.SimpleNamespace(decode_context_parallel_size=2),
+     "decode_context_parallel_size=2"),
+    ("parallel_config", types.SimpleNamespace(prefill_context_parallel_size=2),
+     "prefill_context_parallel_size=2"),
+    ("model_config", types.SimpleNamespace(runner_type="pooling"), "runner: 'pooling'"),
+    ("model_config", types.SimpleNamespace(runner_type="generate", is_attention_free=True),
+     "attention-free"),
+])
+def test_settings_vllm_cannot_build_here_are_refused(model_dir, field, value, named):
+    """Settings whose vLLM config cannot be built on this CPU-only, one-rank machine (context
+    parallelism needs TP >= its size; encoder-cache transfer and pooling/attention-free models
+    need other models): the same check on the engine's config with that one field set."""
+    cfg = config(model_dir)
+    view = types.SimpleNamespace(**{k: getattr(cfg, k) for k in (
+        "scheduler_config", "parallel_config", "cache_config", "speculative_config",
+        "kv_transfer_config", "kv_events_config", "ec_transfer_config", "lora_config",
+        "model_config")})
+    setattr(view, field, value)
+    with pytest.raises(NotImplementedError, match=named):
+        check_engine(view)
