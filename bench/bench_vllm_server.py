@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_server.json")
     args = ap.parse_args()
+    common.run_meta()  # the commit and date of the run's start
 
     import vllm
     from transformers import AutoTokenizer
