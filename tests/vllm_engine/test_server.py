@@ -183,3 +183,4 @@ def test_openai_server_default_mode_matches_kp_hf_and_frees_blocks(served_model,
     total, free, blocks = map(int, idle[-1])
     assert total >= sum(b for _, b in HAND.values()) and free == blocks
     assert code == 0, log[-3000:]
+    print("\n".join(line for line in log.splitlines() if "kvprune_cuda:" in line))  # with -s
