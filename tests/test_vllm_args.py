@@ -184,5 +184,7 @@ def test_serve_builds_vllms_server_command():
     assert vllm_argv(["m", "--kv-budget", "512"])[2:] == kp.vllm.server_args("snapkv", 512)
     with pytest.raises(SystemExit, match="--worker-cls"):
         vllm_argv(["m", "--worker-cls", "x.Y"])
+    with pytest.raises(SystemExit, match="MODEL comes first"):  # not --model float32
+        vllm_argv(["--dtype", "float32", "m"])
     with pytest.raises(ValueError, match="budget"):
         vllm_argv(["m", "--kv-budget", "1.5"])

@@ -68,6 +68,10 @@ class ReportedModelRunnerOutput(ModelRunnerOutput):
         return _extended(cls, output, kvprune_done=digest)
 
 
+class PlanNotCarriedOut(RuntimeError):
+    """A worker did not compact what its step's plan says."""
+
+
 def plan_of(scheduler_output) -> StepPlan:
     """The plan a worker must carry out; RuntimeError when the output has none."""
     plan = getattr(scheduler_output, "kvprune_plan", None)

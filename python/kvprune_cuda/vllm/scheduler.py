@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
+from vllm.v1.request import RequestStatus
 
 from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import config, rules
@@ -152,8 +153,14 @@ class Scheduler(_VllmScheduler):
         for req_id, held in compressing.items():
             self._prefix_hits.pop(req_id, None)
             request = self.requests.get(req_id)
-            if request is not None and not request.is_finished():  # else all its blocks are
-                self._free_evicted_blocks(req_id, held)                # freed (or to be) whole
+            if request is None or request.is_finished():  # all its blocks are freed whole
+                continue
+            if request.status != RequestStatus.RUNNING:  # the workers compacted it: its tail
+                raise RuntimeError(                       # must go now (sync scheduling)
+                    f"kvprune_cuda.vllm: request {req_id}, compacted in step "
+                    f"{scheduler_output.kvprune_plan.step}, is {request.status.name} at its "
+                    "update; its emptied blocks cannot be freed with the workers'")
+            self._free_evicted_blocks(req_id, held)
         for state in (self.kvprune_held, self._prefix_hits):
             for req_id in [r for r in state if r not in self.requests]:
                 del state[req_id]

@@ -25,8 +25,11 @@ from kvprune_cuda.vllm import server_args
 
 
 def _budget(text: str):
-    """A budget as given: "0.16" a fraction, "512" a token count."""
-    return float(text) if any(c in text for c in ".eE") else int(text)
+    """A budget as given: "512" a token count, "0.16" a fraction."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,7 +37,6 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m kvprune_cuda.vllm.serve",
         description="vLLM's OpenAI server with kvprune_cuda KV-cache compression; arguments "
                     "other than these go to vLLM's server.")
-    p.add_argument("model", help="the model to serve (vLLM's --model)")
     p.add_argument("--kv-policy", default="snapkv", help="full | snapkv | streaming")
     p.add_argument("--kv-budget", type=_budget, default=None,
                    help="kept share of each prompt (0.16) or a token count (512)")
@@ -50,9 +52,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def vllm_argv(argv: Sequence[str]) -> list:
-    """vLLM's server arguments for this command's ``argv``: ``--model MODEL``, the arguments
-    this command does not know, and :func:`~kvprune_cuda.vllm.server_args`'s flags."""
-    ours, rest = parser().parse_known_args(list(argv))
+    """vLLM's server arguments for this command's ``argv`` (MODEL first): ``--model MODEL``,
+    the arguments this command does not know, and :func:`~kvprune_cuda.vllm.server_args`'s
+    flags."""
+    argv = list(argv)
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m kvprune_cuda.vllm.serve MODEL [--kv-* options] "
+                         "[vLLM server arguments]: MODEL comes first")
+    model = argv.pop(0)
+    ours, rest = parser().parse_known_args(argv)
     flags = server_args(ours.kv_policy, ours.kv_budget, n_sink=ours.kv_n_sink,
                         window=ours.kv_window, kernel_size=ours.kv_kernel_size,
                         pool=ours.kv_pool, gqa=ours.kv_gqa, decode=ours.kv_decode,
@@ -60,7 +68,7 @@ def vllm_argv(argv: Sequence[str]) -> list:
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag}: set by kvprune_cuda.vllm.serve; leave it out")
-    return ["--model", ours.model, *rest, *flags]
+    return ["--model", model, *rest, *flags]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -35,6 +35,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -49,10 +51,12 @@ from kvprune_cuda.vllm import check_vllm_version
 from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
-from kvprune_cuda.vllm.plan import ReportedModelRunnerOutput, StepPlan, plan_of
+from kvprune_cuda.vllm.plan import (PlanNotCarriedOut, ReportedModelRunnerOutput, StepPlan,
+                                    plan_of)
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups, check_layer
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
+logger = logging.getLogger("vllm.kvprune_cuda")
 
 
 @dataclass
@@ -285,7 +289,7 @@ class RunnerHooks:
         done = {row.req_id: expected.rows[row.req_id] for row in plan
                 if self.compacted[row.req_id] == len(self.layers)}
         if done != expected.rows:
-            raise RuntimeError(
+            raise PlanNotCarriedOut(
                 f"kvprune_cuda.vllm: step {expected.step} planned compressions of "
                 f"{sorted(expected.rows)}; compacted in all {len(self.layers)} layers: "
                 f"{sorted(done)} (per request: {dict(self.compacted)})")
@@ -328,7 +332,17 @@ class CPUWorker(_VllmCPUWorker):
                                    decode)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        return self.kvprune.reported(super().execute_model(scheduler_output, *args, **kwargs))
+        try:
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+        except PlanNotCarriedOut:
+            if self.parallel_config.world_size > 1:
+                # vLLM's multiprocess executor only logs an exception of a rank other than the
+                # one that answers; a rank out of step with the scheduler must stop the engine,
+                # and a dead worker does (the executor's monitor shuts the engine down)
+                logger.exception("kvprune_cuda.vllm: rank %d stops the engine", self.rank)
+                os._exit(1)
+            raise
+        return self.kvprune.reported(output)
 
     def sample_tokens(self, *args, **kwargs):
         return self.kvprune.reported(super().sample_tokens(*args, **kwargs))
