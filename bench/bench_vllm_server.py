@@ -52,7 +52,7 @@ def one_request(server, ids, gen, t0, record):
                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
     arrival = time.perf_counter() - t0
     first = last = None
-    text, chunks = [], 0
+    text = []
     with urllib.request.urlopen(req, timeout=3600) as resp:
         for line in resp:
             line = line.decode().strip()
@@ -64,7 +64,6 @@ def one_request(server, ids, gen, t0, record):
                 first = now if first is None else first
                 last = now
                 text.append(event["choices"][0]["text"])
-                chunks += 1
     record.update(arrival=arrival, first=first, last=last, text="".join(text))
 
 

@@ -378,6 +378,6 @@ def decode_options(prompt: Policy, **options) -> dict:
     return {f: getattr(prompt, f, v) for f, v in options.items()}
 
 
-__all__ = ["POLICIES", "EVIDENCE", "register", "registered", "SCOPES", "Policy", "Full", "Streaming", "SnapKV", "H2O", "KVzip",
-           "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode",
+__all__ = ["POLICIES", "EVIDENCE", "register", "registered", "SCOPES", "Policy", "Full",
+           "Streaming", "SnapKV", "H2O", "KVzip", "make", "resolve_budget", "DECODE_POLICIES", "DecodeRule", "make_decode",
            "decode_options"]

@@ -38,6 +38,7 @@ beside the prompt's compression only (a draft model, or a decode-time rule, is r
 from __future__ import annotations
 
 import json
+import logging
 from typing import Optional, Union
 
 from kvprune_cuda.policy import decode_options, make_decode
@@ -45,6 +46,8 @@ from kvprune_cuda.vllm.config import CONFIG_KEY, ENGINE_EVIDENCE, engine_config,
 from kvprune_cuda.vllm.rules import kept_tokens
 
 SUPPORTED_VLLM = ("0.32.0",)
+# a child of vLLM's logger: the scheduler's and workers' lines reach the server's log in its format
+logger = logging.getLogger("vllm.kvprune_cuda")
 
 
 def check_vllm_version(version: str) -> None:

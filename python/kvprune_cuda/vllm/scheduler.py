@@ -7,8 +7,8 @@
   ``pinned`` tokens are kept whole: its prefix-cache hits and the leading blocks another
   request holds too (ref count > 1, whether it hit them before or in this very step); the
   budget applies to the rest. The decisions ride to the workers on the scheduler output
-  (:class:`~kvprune_cuda.vllm.plan.StepPlan`), and the request's own blocks lose their prefix-cache hashes
-  before the workers rewrite them, so no later request can hit stale content; a compressed
+  (:class:`~kvprune_cuda.vllm.plan.StepPlan`), and the request's own blocks lose their
+  prefix-cache hashes before the workers rewrite them, so no later request can hit stale content; a compressed
   request's blocks are never cached again;
 * with a decode-time rule (``engine_args(decode=...)``), a decoding request is compressed
   again, the same way, in the steps that :func:`~kvprune_cuda.vllm.rules.decode_compresses`
@@ -29,20 +29,16 @@ rule compresses it again).
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import vllm
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.request import RequestStatus
 
-from kvprune_cuda.vllm import check_vllm_version
+from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm.plan import Compression, PlannedSchedulerOutput, StepPlan, check_report
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups
-
-# a child of vLLM's logger: its lines reach the server's log with vLLM's format
-logger = logging.getLogger("vllm.kvprune_cuda")
 
 
 class Held(NamedTuple):
@@ -109,12 +105,12 @@ class Scheduler(_VllmScheduler):
                                                   self._shared_tokens(req_id))
             tokens = num_computed + scheduled - (held.evicted if held else 0)  # held after it
             kept = rules.compresses(self.kvprune_policy, num_computed, scheduled,
-                                      request.num_prompt_tokens, request.num_output_tokens,
-                                      pinned)
+                                    request.num_prompt_tokens, request.num_output_tokens,
+                                    pinned)
             if kept is None:
                 kept = rules.decode_compresses(self.kvprune_decode, num_computed, scheduled,
-                                                 request.num_prompt_tokens,
-                                                 request.num_output_tokens, tokens, pinned)
+                                               request.num_prompt_tokens,
+                                               request.num_output_tokens, tokens, pinned)
             if kept is not None:
                 self._compressing[req_id] = Held(kept, pinned, num_computed + scheduled - kept)
                 plan[req_id] = Compression(kept, pinned, tokens)

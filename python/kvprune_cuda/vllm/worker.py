@@ -35,7 +35,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
 import kvprune_cuda as kp
-from kvprune_cuda.vllm import check_vllm_version
+from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
@@ -56,7 +55,6 @@ from kvprune_cuda.vllm.plan import (PlanNotCarriedOut, ReportedModelRunnerOutput
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups, check_layer
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
-logger = logging.getLogger("vllm.kvprune_cuda")
 
 
 @dataclass
@@ -283,17 +281,16 @@ class RunnerHooks:
         return result
 
     def _check_carried_out(self, plan: list[_Row]) -> None:
-        """RuntimeError unless every request of the step's plan was compacted in every layer;
-        then the plan's digest is what this worker reports."""
+        """PlanNotCarriedOut unless every request of the step's plan was compacted in every
+        layer; then the plan's digest is what this worker reports."""
         expected = self.step_plan
-        done = {row.req_id: expected.rows[row.req_id] for row in plan
-                if self.compacted[row.req_id] == len(self.layers)}
-        if done != expected.rows:
+        done = {row.req_id for row in plan if self.compacted[row.req_id] == len(self.layers)}
+        if done != set(expected.rows):
             raise PlanNotCarriedOut(
                 f"kvprune_cuda.vllm: step {expected.step} planned compressions of "
                 f"{sorted(expected.rows)}; compacted in all {len(self.layers)} layers: "
                 f"{sorted(done)} (per request: {dict(self.compacted)})")
-        self.report = StepPlan(expected.step, done).digest() if done else None
+        self.report = expected.digest() if done else None
 
     def reported(self, output):
         """``output`` (the step's model output) with the digest of the plan carried out."""
