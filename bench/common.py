@@ -116,8 +116,9 @@ def write_json(path: Path, data: dict, indent: Optional[int] = 1) -> None:
 
 
 def args_dict(args: argparse.Namespace) -> dict:
-    """``vars(args)`` with paths as strings (JSON-ready)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    """``vars(args)`` with paths, and lists of them, as strings (JSON-ready)."""
+    plain = lambda v: str(v) if isinstance(v, Path) else v  # noqa: E731
+    return {k: [plain(x) for x in v] if isinstance(v, list) else plain(v) for k, v in vars(args).items()}
 
 
 def parse_n(text: str) -> int:

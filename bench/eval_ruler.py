@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,7 @@ SETTINGS = {
 OPTIONS = {"snapkv-aware-k15": {"kernel_size": 15}, "snapkv-aware-k31": {"kernel_size": 31}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
+BOOTSTRAP_REPS = 1000
 
 
 def config_name(setting: str, frac: Optional[float]) -> str:
@@ -342,7 +344,7 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
     """Every (setting, budget) on every sample but those in ``done`` ((task, index, seed,
     tokens, config name) of earlier files: :func:`done_configs`); returns (and writes to
     ``out`` after each sample) the result data."""
-    data = {"meta": meta(), "args": _args_dict(args), "settings": list(settings),
+    data = {"meta": common.run_meta(), "args": common.args_dict(args), "settings": list(settings),
             "budgets": list(budgets), "records": [], "skipped": {}}
     t_run = time.perf_counter()
     for s in samples:
@@ -370,7 +372,7 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
         data["records"].append(rec)
         data["wall_seconds"] = time.perf_counter() - t_run
         if out is not None:
-            _write(out, data)
+            common.write_json(out, data)
     return data
 
 
@@ -384,23 +386,6 @@ def done_configs(files) -> frozenset:
 def _has_hub_tokenizer(model) -> bool:
     p = getattr(model.config, "name_or_path", "") or ""
     return bool(p) and Path(p).exists()
-
-
-def meta() -> dict:
-    if hasattr(common, "run_meta"):
-        return common.run_meta()
-    return {"command": " ".join(sys.argv), "commit": common.commit(), "machine": common.machine()}
-
-
-def _args_dict(args) -> dict:
-    plain = lambda v: str(v) if isinstance(v, Path) else v  # noqa: E731
-    return {k: [plain(x) for x in v] if isinstance(v, list) else plain(v) for k, v in vars(args).items()}
-
-
-def _write(path: Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,21 +430,20 @@ def summary(data) -> dict:
     return {"scores": scores, "kv": kv, "secs": secs}
 
 
-def _paired(data, name, tasks):
-    """(config's scores, full's scores) on the samples of ``tasks`` that both ran."""
-    a, b = [], []
+def _pairs(data, name, tasks) -> dict:
+    """{task: [(``name``'s score, full's score)]} on the samples of ``tasks`` both ran."""
+    out: dict = {}
     for r in data["records"]:
         if r["task"] in tasks and name in r["results"] and "full" in r["results"]:
-            a.append(r["results"][name]["score"])
-            b.append(r["results"]["full"]["score"])
-    return a, b
+            out.setdefault(r["task"], []).append((r["results"][name]["score"],
+                                                   r["results"]["full"]["score"]))
+    return out
 
 
 def ratio_to_full(data, name, tasks) -> Optional[float]:
-    a, b = _paired(data, name, tasks)
-    if not a or sum(b) == 0:
-        return None
-    return sum(a) / sum(b)
+    pairs = [p for ps in _pairs(data, name, tasks).values() for p in ps]
+    full = sum(b for _, b in pairs)
+    return sum(a for a, _ in pairs) / full if full else None
 
 
 def table(data) -> str:
@@ -488,7 +472,7 @@ def table(data) -> str:
             "query-aware, kvpress-snapkv-aware); seconds: the config's own compression and answer, the shared "
             "prefills apart. Samples "
             "per task: " + ", ".join(f"{t} {n}" for t, n in n_samples.items()) + ".")
-    return out + "\n\n" + family_table(data) + "\n\n" + versus_kvpress(data) + "\n\n" + headline(data)
+    return out + "\n\n" + family_table(data) + "\n\n" + ratio_table(data) + "\n\n" + versus_kvpress(data) + "\n\n" + headline(data)
 
 
 def _config_order(name: str) -> tuple:
@@ -546,6 +530,62 @@ def family_table(data) -> str:
     return ("\n".join(rows) + "\n\nPer task family: the mean over its tasks of each task's mean score "
             "(x100); mean of its families: over the families the config ran (compare rows that "
             "ran the same families); x full: that mean over full's, both on the samples both ran.")
+
+
+def _ratio_interval(pairs: dict, reps: int = BOOTSTRAP_REPS, seed: int = 0) -> tuple:
+    """95 % percentile bootstrap interval of a ratio to full: ``pairs`` {family: {task: [(config
+    score, full's score) per sample]}}; each resample draws every task's samples with
+    replacement (pairs stay together), then takes the mean over families of the family scores
+    (:func:`_family_score`: tasks weigh equally) over full's. (low, high); None where full's
+    resampled mean is 0."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(reps):
+        fam_a, fam_b = [], []
+        for by_task in pairs.values():
+            ta, tb = [], []
+            for ps in by_task.values():
+                draw = [ps[rng.randrange(len(ps))] for _ in ps]
+                ta.append(_mean([a for a, _ in draw]))
+                tb.append(_mean([b for _, b in draw]))
+            fam_a.append(_mean(ta))
+            fam_b.append(_mean(tb))
+        if _mean(fam_b):
+            ratios.append(_mean(fam_a) / _mean(fam_b))
+    if not ratios:
+        return None, None
+    ratios.sort()
+    return ratios[int(0.025 * (len(ratios) - 1))], ratios[int(round(0.975 * (len(ratios) - 1)))]
+
+
+def _ratio_cell(pairs: dict) -> str:
+    """"x [low, high]": the ratio to full of ``pairs`` (:func:`_ratio_interval`'s argument)
+    and its 95 % bootstrap interval; "" without pairs, "n/a" where full scores 0."""
+    if not pairs:
+        return ""
+    full = _mean([_mean([_mean([b for _, b in ps]) for ps in t.values()]) for t in pairs.values()])
+    if not full:
+        return "n/a"
+    own = _mean([_mean([_mean([a for a, _ in ps]) for ps in t.values()]) for t in pairs.values()])
+    lo, hi = _ratio_interval(pairs)
+    return f"{own / full:.2f}" + ("" if lo is None else f" [{lo:.2f}, {hi:.2f}]")
+
+
+def ratio_table(data) -> str:
+    """config x task family: the family's score over full's on the samples both ran, with a
+    95 % bootstrap interval (:func:`_ratio_interval`); the last column, the mean of the
+    families (the family table's x full) with its interval."""
+    fams = _families(data)
+    names = sorted({n for r in data["records"] for n in r["results"]} - {"full"}, key=_config_order)
+    rows = ["| config | " + " | ".join(fams) + " | mean of the families |",
+            "|---" * (len(fams) + 2) + "|"]
+    for n in names:
+        per = {f: _pairs(data, n, rt.FAMILIES[f]) for f in fams}
+        rows.append(f"| {n} | " + " | ".join(_ratio_cell({f: per[f]}) for f in fams)
+                    + f" | {_ratio_cell({f: p for f, p in per.items() if p})} |")
+    return ("\n".join(rows) + f"\n\nx full per task family, on the samples the config and full both "
+            f"ran, with a 95 % percentile bootstrap interval ({BOOTSTRAP_REPS} resamples of each "
+            "task's samples, config and full paired); n/a: full scores 0 there.")
 
 
 def _best_on(data, names, tasks, keys) -> Optional[tuple]:
@@ -618,7 +658,7 @@ def headline(data, budget: float = HEADLINE_BUDGET, keep: float = HEADLINE_KEEP)
     passed = []
     for nm in names:
         rv, rm = ratio_to_full(data, nm, vt), ratio_to_full(data, nm, mk)
-        nv, nk = len(_paired(data, nm, vt)[0]), len(_paired(data, nm, mk)[0])
+        nv, nk = (sum(map(len, _pairs(data, nm, ts).values())) for ts in (vt, mk))
         ok = rv is not None and rm is not None and rv >= keep and rm >= keep
         if ok:
             passed.append(nm)

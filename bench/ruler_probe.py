@@ -254,10 +254,10 @@ def main(argv=None) -> None:
     model, tok = common.load_model("float32")
     vs = variants(args)
     samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, common.load_novels(), args.seed)
-    data = {"meta": er.meta(), "args": er._args_dict(args), "records": []}
+    data = {"meta": common.run_meta(), "args": common.args_dict(args), "records": []}
     for s in samples:
         data["records"].append(probe_sample(model, tok, s, vs, args))
-        er._write(args.out, data)
+        common.write_json(args.out, data)
     print(table(data))
 
 

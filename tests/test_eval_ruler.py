@@ -409,3 +409,16 @@ def test_skip_done_runs_only_the_missing_configs(tmp_path):
     assert again["records"] == []
     merged = er.main(["--table", str(first), str(second)])
     assert [set(r["results"]) for r in merged["records"]] == [{"full", "snapkv-aware@50%"}] * 2
+
+
+def test_ratio_table_bootstrap_interval_by_hand():
+    # one task, full 1 on both samples, the config 1 then 0: resampled config means are 0, 0.5
+    # and 1 with probabilities 1/4, 1/2, 1/4, so the 95 % interval is [0, 1] around 0.5;
+    # a config equal to full has [1, 1]. cwe, where full scores 0, has no ratio of its own and
+    # adds 0 to both sides of the mean over families
+    data = _fake({"vt": {"full": [1.0, 1.0], "a@16%": [1.0, 0.0], "b@16%": [1.0, 1.0]},
+                  "cwe": {"full": [0.0, 0.0], "a@16%": [0.0, 0.0], "b@16%": [0.0, 0.0]}})
+    data = _rename(data, {"a": "snapkv-aware", "b": "kvzip-head"})
+    t = er.ratio_table(data)
+    assert "| snapkv-aware@16% | 0.50 [0.00, 1.00] | n/a | 0.50 [0.00, 1.00] |" in t
+    assert "| kvzip-head@16% | 1.00 [1.00, 1.00] | n/a | 1.00 [1.00, 1.00] |" in t
