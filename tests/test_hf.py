@@ -292,7 +292,7 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="policy"):
         hf.KVCompressor(model, policy="nope")
     with pytest.raises(ValueError, match="budget"):
-        hf.KVCompressor(model, policy="snapkv", budget=10, n_sink=4, window=32)
+        hf.KVCompressor(model, policy="snapkv", budget=10, options=kp.policy.Options(n_sink=4, window=32))
     with pytest.raises(ValueError, match="budget"):
         hf.KVCompressor(model, policy="snapkv", budget=1.5)
     assert hf.resolve_budget(0.2, 4000) == 800 and hf.resolve_budget(512, 4000) == 512
@@ -344,7 +344,8 @@ def test_h2o_scores_are_accumulated_attention(model, gen):
     """The H2O score of a key = sum over every prompt query of its attention probability, mean
     over the query heads of its KV head (eager attention weights as the oracle)."""
     ids = _ids(gen, 1, 48)
-    kvc = hf.KVCompressor(model, "h2o", 1.0, n_sink=4, window=8, compress_on_prefill=False).attach()
+    kvc = hf.KVCompressor(model, "h2o", 1.0, options=kp.policy.Options(n_sink=4, window=8),
+                          compress_on_prefill=False).attach()
     try:
         with torch.no_grad():
             model(input_ids=ids[:, :40], past_key_values=transformers.DynamicCache(), use_cache=True)

@@ -136,7 +136,8 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
     chunks, spans = PROMPT.chunks(ctx, CHUNK), PROMPT.spans(N, CHUNK)
     assert len(chunks) == 3 and spans == [(0, 25), (25, 50), (50, 60)]
     full, _, want = _kvzip_reference(model, ctx, PROMPT, CHUNK, gqa, softmax)
-    comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W, gqa=gqa,
+    comp = hf.KVCompressor(model, "kvzip", BUDGET,
+                           options=kp.policy.Options(n_sink=SINKS, window=W, gqa=gqa),
                            compress_on_prefill=False).attach()
     cache = transformers.DynamicCache()
     def forward_chunks():
@@ -174,7 +175,7 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
 
 def test_chunk_softmax_needs_the_span(model, gen):
     ctx = _ids(gen, 1, N)
-    comp = hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W,
+    comp = hf.KVCompressor(model, "kvzip", BUDGET, options=kp.policy.Options(n_sink=SINKS, window=W),
                            compress_on_prefill=False).attach()
     cache = transformers.DynamicCache()
     def no_span():  # a forward before any span is yielded
@@ -694,7 +695,7 @@ def test_bad_arguments(model, gen):
     with pytest.raises(ValueError, match="tokenizer"):  # a random model has no tokenizer to load
         kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, window=W)
     with pytest.raises(ValueError, match="policy"):
-        hf.KVCompressor(model, "kvzip", BUDGET, n_sink=SINKS, window=W)
+        hf.KVCompressor(model, "kvzip", BUDGET, options=kp.policy.Options(n_sink=SINKS, window=W))
     with pytest.raises(ValueError, match="policy"):
         with kp.hf.compress(model, policy="kvzip", budget=BUDGET, n_sink=SINKS, window=W):
             pass

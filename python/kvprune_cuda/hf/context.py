@@ -162,9 +162,9 @@ class ScoredContext:
 
     def __init__(self, model, context_ids: torch.Tensor, scored: Sequence["policies.Policy"],
                  cache, state: dict, prefill_seconds: float, score_seconds: float,
-                 options: Optional[dict] = None) -> None:
+                 options: Optional["policies.Options"] = None) -> None:
         self.model, self.context_ids, self.policies = model, context_ids, list(scored)
-        self._options = dict(options or {})  # score_context's, for policies named later
+        self._options = options  # score_context's, for policies named later
         self._kv = [cache_kv(cache, i) for i in range(len(state["layers"]))]
         self._state = state
         self.prefill_seconds, self.score_seconds = prefill_seconds, score_seconds
@@ -183,7 +183,7 @@ class ScoredContext:
         named = [p for p in self.policies if p.name == policy]
         if named:
             return named[0]
-        return policies.make(policy, **self._options)  # full / streaming: need no evidence
+        return policies.make(policy, self._options)  # full / streaming: need no evidence
 
     def compress(self, budget: Union[int, float, None] = None, budget_scope: Optional[str] = None,
                  policy: Union[str, "policies.Policy", None] = None) -> CompressedContext:
@@ -227,7 +227,7 @@ class ScoredContext:
             raise ValueError(f"ids: expected a [{b}, m >= 1] tensor of token ids, got {shape}")
         ids = ids.to(self.context_ids.device)
         kept = [p for p in self.policies if p.evidence != "reconstruction"]
-        kept = kept or [policies.make("full", **self._options)]
+        kept = kept or [policies.make("full", self._options)]
         comp = KVCompressor(self.model, kept[0], compress_on_prefill=False, observe=kept[1:])
         comp.restore(self._state)
         for st in comp.layers:
@@ -269,9 +269,9 @@ def score_context(model, context_ids: torch.Tensor,
     named = [policy] if isinstance(policy, (str, policies.Policy)) else list(policy)
     if not named:
         raise ValueError("policy: expected at least one policy")
-    options = dict(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa,
-                   chunk_size=chunk_size, softmax=softmax)
-    scored = [policies.make(p, **options) for p in named]
+    options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
+                               gqa=gqa, chunk_size=chunk_size, softmax=softmax)
+    scored = [policies.make(p, options) for p in named]
     kvzip = next((p for p in scored if isinstance(p, policies.KVzip)), None)
     prompt = None
     if kvzip is not None:
@@ -297,11 +297,13 @@ def score_context(model, context_ids: torch.Tensor,
 
 def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "policies.Policy"] = "kvzip",
                      budget: Union[int, float, None] = None, *,
-                     budget_scope: Optional[str] = None,
+                     budget_scope: Optional[str] = None, tokenizer=None,
+                     repeat_prompt: Optional[RepeatPrompt] = None,
                      **options) -> CompressedContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses
-    it: :func:`score_context` (``options``: n_sink, window, kernel_size, pool, gqa,
-    chunk_size, softmax, tokenizer, repeat_prompt) then :meth:`ScoredContext.compress`.
+    it: :func:`score_context` (``tokenizer``, ``repeat_prompt``; ``options``: n_sink, window,
+    kernel_size, pool, gqa, chunk_size, softmax, as :class:`kvprune_cuda.policy.Options`
+    names them: another name is a TypeError) then :meth:`ScoredContext.compress`.
 
     ``budget``: tokens kept per layer, a fraction of ``n`` in (0, 1] or a count (None: the
     policy's own, 0.2 for a name; likewise each option left out keeps the policy's); with
@@ -314,10 +316,8 @@ def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "polic
         raise ValueError(f"budget_scope: expected one of {policies.SCOPES}, got {budget_scope!r}")
     if budget_scope not in (None, "layer") and not policies.make(policy).ranks:
         raise ValueError(f"budget_scope: {budget_scope!r} ranks scores; policy {policy!r} has none")
-    p = policies.make(policy, budget=budget, **{k: v for k, v in options.items()
-                                                if k not in ("tokenizer", "repeat_prompt")})
-    scored = score_context(model, context_ids, p, tokenizer=options.get("tokenizer"),
-                           repeat_prompt=options.get("repeat_prompt"))
+    p = policies.make(policy, policies.Options(**options), budget=budget)
+    scored = score_context(model, context_ids, p, tokenizer=tokenizer, repeat_prompt=repeat_prompt)
     return scored.compress(budget_scope=budget_scope)
 
 

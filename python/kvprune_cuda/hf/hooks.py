@@ -39,8 +39,10 @@ class KVCompressor:
     """Hooks that make ``model`` compress its DynamicCache. Prefer :func:`compress` and
     :func:`~kvprune_cuda.hf.compress_context`.
 
-    ``policy``: a name of :data:`kvprune_cuda.policy.POLICIES` (built with the options) or a
-    :class:`~kvprune_cuda.policy.Policy`. ``observe``: further policies whose evidence is
+    ``policy``: a name :func:`kvprune_cuda.policy.registered` knows (built with ``budget`` and
+    ``options``, a :class:`kvprune_cuda.policy.Options`) or a
+    :class:`~kvprune_cuda.policy.Policy`; ``decode``, ``max_held``, ``interval``: the decode-time
+    rule (:func:`kvprune_cuda.policy.make_decode`). ``observe``: further policies whose evidence is
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
     reconstruction forwards of :meth:`score_reconstruction`).
@@ -51,16 +53,12 @@ class KVCompressor:
     """
 
     def __init__(self, model, policy: Union[str, "policies.Policy"] = "snapkv",
-                 budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
-                 window: Optional[int] = None, kernel_size: Optional[int] = None,
-                 pool: Optional[str] = None, gqa: Optional[str] = None,
-                 compress_on_prefill: bool = True,
+                 budget: Union[int, float, None] = None, *,
+                 options: Optional["policies.Options"] = None, compress_on_prefill: bool = True,
                  observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
                  max_held: Optional[int] = None, interval: Optional[int] = None) -> None:
-        self.policy = policies.make(policy, budget=budget, n_sink=n_sink, window=window,
-                                    kernel_size=kernel_size, pool=pool, gqa=gqa)
-        self.decode = policies.make_decode(decode, max_held, interval, **policies.decode_options(
-            self.policy, n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa))
+        self.policy = policies.make(policy, options, budget=budget)
+        self.decode = policies.make_decode(decode, max_held, interval, options, prompt=self.policy)
         if self.decode is not None and self.policy.fixed_capacity:
             raise ValueError(f"decode: the prompt policy {self.policy.name!r} already holds a "
                              "fixed-capacity ring while decoding; use it with 'snapkv' or "
@@ -391,9 +389,10 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     ``interval`` generated tokens once it holds more than ``max_held``
     (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
     (``prompt_len``, ``compressed_len``, ``nbytes``)."""
-    comp = KVCompressor(model, policy, budget, n_sink=n_sink, window=window,
-                        kernel_size=kernel_size, pool=pool, gqa=gqa, decode=decode,
-                        max_held=max_held, interval=interval).attach()
+    options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
+                               gqa=gqa)
+    comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
+                        interval=interval).attach()
     try:
         yield comp
     finally:

@@ -41,7 +41,7 @@ import json
 import logging
 from typing import Optional, Union
 
-from kvprune_cuda.policy import decode_options, make_decode
+from kvprune_cuda import policy as policies
 from kvprune_cuda.vllm.config import CONFIG_KEY, ENGINE_EVIDENCE, engine_config, engine_policy
 from kvprune_cuda.vllm.rules import kept_tokens
 
@@ -81,10 +81,10 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     module) whose evidence the engine gives (:data:`ENGINE_EVIDENCE`: the keys, the last
     window queries); options left None keep the policy's own (budget 0.2, n_sink 4, window
     32, kernel_size 7 for a name)."""
-    p = engine_policy(policy, budget, n_sink=n_sink, window=window, kernel_size=kernel_size,
-                      pool=pool, gqa=gqa)
-    rule = make_decode(decode, max_held, interval, **decode_options(
-        p, n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool, gqa=gqa))
+    options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
+                               gqa=gqa)
+    p = engine_policy(policy, budget, options)
+    rule = policies.make_decode(decode, max_held, interval, options, prompt=p)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",

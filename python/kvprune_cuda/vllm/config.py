@@ -21,12 +21,13 @@ CONFIG_KEY = "kvprune"  # the entry of vLLM's additional_config that holds the p
 
 
 def engine_policy(policy: Union[str, "policies.Policy"] = "snapkv",
-                  budget: Union[int, float, None] = None, **options) -> "policies.Policy":
+                  budget: Union[int, float, None] = None,
+                  options: Optional["policies.Options"] = None, **fields) -> "policies.Policy":
     """The :class:`kvprune_cuda.policy.Policy` ``policy`` (a name :func:`kvprune_cuda.policy.
-    registered` knows, or a policy object) with ``budget`` and ``options`` (n_sink, window,
-    kernel_size, pool, gqa), refused (ValueError naming ``policy``) unless the engine gives it
-    its evidence and every vLLM process can import its class."""
-    p = policies.make(policy, budget=budget, **options)
+    registered` knows, or a policy object) with ``budget``, ``options`` and its own ``fields``
+    (a configuration read back), refused (ValueError naming ``policy``) unless the engine gives
+    it its evidence and every vLLM process can import its class."""
+    p = policies.make(policy, options, budget=budget, **fields)
     if p.evidence not in ENGINE_EVIDENCE:
         raise ValueError(f"policy: {p.name!r} scores by {p.evidence!r}; kp.vllm gives a prompt "
                          f"policy {ENGINE_EVIDENCE} (h2o: decode='h2o'; kvzip: "

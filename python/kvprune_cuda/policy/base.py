@@ -1,0 +1,122 @@
+"""What every policy is: :class:`Policy` (options, validation, the evidence it scores by),
+the budget rule (:func:`resolve_budget`) and :class:`Options`, the options an integration
+passes on to every policy it builds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, Optional, Union
+
+import torch
+
+SCOPES = ("layer", "global", "head")  # how a budget is shared: per layer, over layers, per head
+GQA = ("mean", "max", "sum")
+# Policy.evidence: what its score reads besides the keys
+EVIDENCE = ("none",             # the keys alone (or nothing: positions)
+            "window_queries",   # the last `window` post-RoPE queries of the prompt
+            "attention",        # attention accumulated over every observed query (h2o)
+            "reconstruction")   # maxima while the model reconstructs the context (kvzip)
+
+
+def resolve_budget(budget: Union[int, float], n: int) -> int:
+    """Tokens kept for a prompt of ``n`` tokens: ``round(budget * n)`` (at least 1) for a float
+    in (0, 1], else the int ``budget``."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget: expected a fraction in (0, 1] or a token count, got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget: a float must be a fraction in (0, 1], got {budget}")
+        return max(1, int(round(budget * n)))
+    if budget < 1:
+        raise ValueError(f"budget: a token count must be >= 1, got {budget}")
+    return int(budget)
+
+
+def check_int(name: str, value, least: int) -> None:
+    """A policy option: an int >= ``least`` (ValueError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """A policy option: one of ``choices`` (ValueError naming ``name``)."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options a user gives an integration (``kp.hf.compress``, ``kp.vllm.engine_args``,
+    ...), passed on as one object; None leaves a policy its own default, and a policy takes
+    only those among its fields (:func:`kvprune_cuda.policy.make`). Validated by the policy
+    built with them."""
+
+    n_sink: Optional[int] = None
+    window: Optional[int] = None
+    kernel_size: Optional[int] = None
+    pool: Optional[str] = None
+    gqa: Optional[str] = None
+    chunk_size: Optional[int] = None
+    softmax: Optional[str] = None
+
+    def given(self) -> dict:
+        """The options set (not None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Keep the ``n_sink`` first and the ``window`` last tokens, plus the best-scored others,
+    ``budget`` tokens in all (a fraction of the prompt in (0, 1] or a count)."""
+
+    name: ClassVar[str] = ""
+    evidence: ClassVar[str] = "none"        # one of EVIDENCE
+    fixed_capacity: ClassVar[bool] = False  # kp.hf: decoding evicts, holding `budget` slots
+    default_scope: ClassVar[str] = "layer"   # kp.hf.compress_context's measured default
+
+    budget: Union[int, float] = 0.2
+    n_sink: int = 4
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        resolve_budget(self.budget, 1)
+        check_int("n_sink", self.n_sink, 0)
+        check_int("window", self.window, 0)
+        if isinstance(self.budget, int) and self.budget < self.min_keep:
+            raise ValueError(f"budget: {self.budget} tokens < {self.min_keep}, the least policy "
+                             f"{self.name!r} keeps with n_sink = {self.n_sink}, window = "
+                             f"{self.window}")
+
+    @property
+    def min_keep(self) -> int:
+        """The fewest tokens the policy works with: the sinks and the window."""
+        return self.n_sink + self.window
+
+    def kept_tokens(self, n: int, budget: Union[int, float, None] = None) -> int:
+        """Tokens a prompt of ``n`` keeps per layer and head (``budget``: this policy's, unless
+        given): ``max(resolve_budget(budget, n), min_keep)``. Above ``n`` nothing is evicted
+        (a fixed-capacity policy's cache then has that many slots, filled while decoding)."""
+        b = self.budget if budget is None else budget
+        return max(resolve_budget(b, n), self.min_keep)
+
+    def observed_queries(self, q_len: int) -> int:
+        """How many of a forward's last ``q_len`` queries the policy needs, by its evidence:
+        the last ``window`` ("window_queries"), all ("attention"), none (otherwise)."""
+        if self.evidence == "window_queries":
+            return min(q_len, self.window)
+        return q_len if self.evidence == "attention" else 0
+
+    @property
+    def ranks(self) -> bool:
+        """Whether the policy has scores to rank (budget scopes "global" / "head")."""
+        return True
+
+    def score(self, queries: torch.Tensor, keys: torch.Tensor, *, scale: Optional[float] = None,
+              seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 ``[B, Hkv, n]`` scores of ``keys`` [B, Hkv, n, D] from the post-RoPE
+        ``queries`` [B, Hq, q, D] the policy observed."""
+        raise NotImplementedError(f"policy {self.name!r} does not score keys")
+
+    def to_config(self) -> dict:
+        return {"policy": self.name, **asdict(self)}
