@@ -694,6 +694,8 @@ def test_bad_arguments(model, gen):
             _compress(model, ctx, "kvzip", softmax=bad)
     with pytest.raises(ValueError, match="tokenizer"):  # a random model has no tokenizer to load
         kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, window=W)
+    with pytest.raises(TypeError, match="kernal_size"):  # a misspelt option is not ignored
+        kp.hf.compress_context(model, ctx, "snapkv", BUDGET, kernal_size=3)
     with pytest.raises(ValueError, match="policy"):
         hf.KVCompressor(model, "kvzip", BUDGET, options=kp.policy.Options(n_sink=SINKS, window=W))
     with pytest.raises(ValueError, match="policy"):
