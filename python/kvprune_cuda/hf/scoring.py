@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from kvprune_cuda import policy as policies
+from kvprune_cuda.evidence import keep_last
 from kvprune_cuda.hf._compat import rope
 from kvprune_cuda.hf.memory import tensor_bytes
 
@@ -81,10 +82,9 @@ def left_padding(prefill_valid: Optional[torch.Tensor], n: int) -> Optional[torc
 
 
 def record_queries(st: LayerState, qn: torch.Tensor, keep: int) -> None:
-    """Keeps the last ``keep`` of the observed queries (of this and earlier forwards), copied."""
-    w = qn[:, :, qn.shape[2] - min(keep, qn.shape[2]):]
-    w = w if st.queries is None else torch.cat([st.queries, w], 2)
-    st.queries = w[:, :, w.shape[2] - min(keep, w.shape[2]):].clone()
+    """Keeps the last ``keep`` of the observed queries ``qn`` [B, Hq, q, D] (of this and
+    earlier forwards), copied."""
+    st.queries = keep_last(st.queries, qn, keep, 2)
 
 
 def accumulate_h2o(st: LayerState, h2o: "policies.H2O", qn: torch.Tensor, k: torch.Tensor,

@@ -24,7 +24,7 @@
    blocks past the pinned prefix in vLLM's cache
    (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`); the pinned blocks, which another
    request may share, are never written. Under a decode-time rule a decoding row feeds its
-   evidence every step (snapkv: a ring of its last ``window`` queries; h2o: its query's
+   evidence every step (snapkv: its last ``window`` queries; h2o: its query's
    attention added to the held keys' sums) and a row the scheduler picks is compressed the
    same way, selecting by that evidence.
 3. ``execute_model`` (wrapped): after the step, checks that every planned request was
@@ -46,6 +46,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
 import kvprune_cuda as kp
+from kvprune_cuda.evidence import keep_last
 from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm._select import kept_indices
@@ -82,7 +83,7 @@ class RunnerHooks:
         self.plan: list[_Row] = []         # rows compressed by the step now running
         self.recording: list[_Row] = []     # rows of earlier prefill chunks (kept: unused)
         self.window_queries: dict[str, list] = {}   # req_id -> per layer [<=W, Hq, D]
-        # req_id -> per layer: snapkv rule, a ring of decode queries ([W, Hq, D], count);
+        # req_id -> per layer: snapkv rule, its last decode queries ([<= W, Hq, D]);
         # h2o rule, the held keys' attention sums (fp32 [1, Hkv, held])
         self.decode_evidence: dict[str, list] = {}
         self.decoding: list[_Row] = []     # rows whose decode queries the rule observes
@@ -227,30 +228,18 @@ class RunnerHooks:
 
     def _decode_window(self, req_id: str, layer: int, query=None) -> torch.Tensor:
         """The request's last ``window`` decode queries of ``layer`` in order ([<= W, Hq, D]),
-        after appending ``query`` ([q, Hq, D], this step's past the prompt) to its ring."""
-        w = self.decode.policy.window
+        after ``query`` ([q, Hq, D], this step's past the prompt) joins them."""
         per_layer = self.decode_evidence.setdefault(req_id, [None] * len(self.layers))
         if query is not None:
-            if per_layer[layer] is None:
-                per_layer[layer] = [query.new_empty((w,) + tuple(query.shape[1:])), 0]
-            ring = per_layer[layer]
-            for q in query[max(query.shape[0] - w, 0):]:
-                ring[0][ring[1] % w] = q
-                ring[1] += 1
-        ring, count = per_layer[layer]
-        if count <= w:
-            return ring[:count]
-        start = count % w
-        return torch.cat([ring[start:], ring[:start]])
+            per_layer[layer] = keep_last(per_layer[layer], query, self.decode.policy.window, 0)
+        return per_layer[layer]
 
     def _window(self, row: _Row, layer: int, chunk: torch.Tensor) -> torch.Tensor:
         """The request's last observed queries of ``layer`` once ``chunk`` [T, Hq, D] (this
         step's) joins the recorded ones: [<= W, Hq, D], kept (a copy) for a later chunk."""
-        w = self.policy.observed_queries(row.prompt_len)
         per_layer = self.window_queries.setdefault(row.req_id, [None] * len(self.layers))
-        past = per_layer[layer]
-        q = chunk if past is None else torch.cat([past, chunk])
-        per_layer[layer] = q[max(q.shape[0] - w, 0):].clone()
+        per_layer[layer] = keep_last(per_layer[layer], chunk,
+                                     self.policy.observed_queries(row.prompt_len), 0)
         return per_layer[layer]
 
     def _forget(self, scheduler_output) -> None:
