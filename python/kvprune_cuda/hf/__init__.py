@@ -15,8 +15,8 @@ The policies are :mod:`kvprune_cuda.policy`'s. Modules (no import cycle; each im
 those listed before it): ``_compat`` (transformers version shims), ``memory`` (bytes held),
 ``fixed_layer`` / ``ragged_layer`` (the compressed cache layers), ``lse`` (the attention's
 log-sum-exp), ``scoring`` (recorded evidence and selection scores), ``select`` (budgets,
-selection, compaction), ``reconstruct`` (kvzip's repeat prompts), ``hooks``
-(:class:`KVCompressor`, :func:`compress`), ``context`` (:func:`score_context`,
+selection, compaction), ``decode_step`` (the decode-time rule), ``reconstruct`` (kvzip's
+repeat prompts), ``hooks`` (:class:`KVCompressor`, :func:`compress`), ``context`` (:func:`score_context`,
 :func:`compress_context`).
 """
 

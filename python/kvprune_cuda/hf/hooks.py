@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
-import kvprune_cuda as kp
 from kvprune_cuda import policy as policies
 from kvprune_cuda.hf import scoring, select
-from kvprune_cuda.hf._compat import cache_arg, cache_kv, set_cache_kv, takes_cache_position
+from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
+from kvprune_cuda.hf.decode_step import decode_step
 from kvprune_cuda.hf.lse import attention_lse
 from kvprune_cuda.hf.memory import tensor_bytes
 from kvprune_cuda.hf.scoring import FIXED, LayerState
@@ -254,42 +254,16 @@ class KVCompressor:
         return output
 
     def _decode_step(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
-        """The decode-time rule after a forward past the prompt: records the decode queries
-        snapkv votes with (h2o: adds their attention to the held keys' sums, ``st.h2o``)
-        and compresses the layer when the rule says so."""
-        rule, q_len = self.decode, hs.shape[1]
-        if rule is None or self.prompt_len is None:
+        """The decode-time rule after a forward past the prompt (:mod:`~kvprune_cuda.hf.decode_step`)."""
+        if self.decode is None or self.prompt_len is None:
             return
-        generated = self.seen + q_len - self.prompt_len
+        generated = self.seen + hs.shape[1] - self.prompt_len
         if generated < 1:
             return
-        p, scale = rule.policy, getattr(module, "scaling", None)
-        k, v = cache_kv(cache, i)
-        n = p.observed_queries(q_len)  # snapkv: its window; h2o: every query
-        if n:
-            cos, sin = kwargs["position_embeddings"]
-            qn = scoring.post_rope_queries(module, hs[:, q_len - n:], cos[:, q_len - n:],
-                                           sin[:, q_len - n:]).to(k.dtype)
-            if rule.accumulates:  # h2o: from the first generated token on (st.h2o restarts)
-                past = st.h2o if generated > q_len else None
-                st.h2o = rule.accumulate(past, qn, k, scale=scale)
-            else:
-                scoring.record_queries(st, qn, p.window)
-        kept = rule.compresses(generated, q_len, k.shape[2])
-        if kept is None:
-            return
-        if st.layout not in (scoring.FULL, scoring.MASKED) or (
-                st.slot_valid is not None and not bool(st.slot_valid.all())):
-            raise ValueError("attention_mask: decode-time compression needs rows without "
-                             "padding and one token count per layer")
-        scores = st.h2o if rule.accumulates else p.score(st.queries, k, scale=scale)
-        idx = kp.select_keep(scores, kept, n_sink=p.n_sink, window=p.window)
-        kk, vv = kp.gather_kv(k, v, idx)
-        set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
-        if rule.accumulates:  # the kept keys keep their sums
-            st.h2o = st.h2o.gather(2, idx.long())
-        st.slot_valid, st.layout = idx >= 0, scoring.MASKED
-        self.compressed_len = kept
+        kept = decode_step(self.decode, st, module, cache, i, hs, kwargs["position_embeddings"],
+                           generated)
+        if kept is not None:
+            self.compressed_len = kept
 
     def _record(self, st: LayerState, qn: torch.Tensor, k: torch.Tensor) -> None:
         """Records the observed queries ``qn`` [B, Hq, n_q, D] for every observed policy."""
