@@ -113,6 +113,8 @@ VARIANTS = {
     "sv-fwd-24-6": ("snapkv_fwd", {"before": 24, "after": 6, "window": W}),
     "sv-fwd-40-8": ("snapkv_fwd", {"before": 40, "after": 8, "window": W}),
     "sv-fwd-12-3": ("snapkv_fwd", {"before": 12, "after": 3, "window": W}),
+    "sv-fwd-32-8": ("snapkv_fwd", {"before": 32, "after": 8, "window": W}),
+    "sv-fwd-56-8": ("snapkv_fwd", {"before": 56, "after": 8, "window": W}),
     "sv-k63": ("snapkv", {"kernel_size": 63, "window": W}),
     "sv-chunk16": ("snapkv_chunk", {"chunk": 16, "window": W}),
     "sv-chunk32": ("snapkv_chunk", {"chunk": 32, "window": W}),
