@@ -479,6 +479,9 @@ def stop_at_key(tok, key, lead: int = 0):
     return StoppingCriteriaList([KeySeen()])
 
 
+KVPRESS_KERNEL = 7  # SnapKVPress's pool when --kernel-size is not given
+
+
 def add_trial_args(ap: argparse.ArgumentParser) -> None:
     """The passkey options eval_passkey.py and eval_context.py share."""
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="prompt lengths")
@@ -487,7 +490,8 @@ def add_trial_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     ap.add_argument("--n-sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--kernel-size", type=int, default=7)
+    ap.add_argument("--kernel-size", type=int, default=None,
+                    help="snapkv's pool (default: the library's; kvpress's SnapKVPress: 7)")
     ap.add_argument("--gen-steps", type=int, default=7)
     ap.add_argument("--no-kvpress", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

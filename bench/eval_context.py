@@ -188,7 +188,8 @@ def run_trial(model, tok, ctx, qst, key, args, kvz):
         if press_snapkv:
             kb = kp.hf.resolve_budget(frac, n)
             press = kvz.kvpress.SnapKVPress(compression_ratio=ratio_for(kb, n),
-                                            window_size=args.window, kernel_size=args.kernel_size)
+                                            window_size=args.window,
+                                            kernel_size=args.kernel_size or common.KVPRESS_KERNEL)
             cache = common.apply_press(press, scored.compress(policy="full").cache(), rec.data, attn)
             record(f"kvpress-snapkv@{int(round(frac * 100))}%",
                    kp.hf.CompressedContext.from_cache(model, ctx, cache))

@@ -122,7 +122,7 @@ def main() -> None:
     presses = {}
     if not args.no_kvpress:
         import kvpress
-        w, ks = args.window, args.kernel_size
+        w, ks = args.window, args.kernel_size or common.KVPRESS_KERNEL
         presses = {"kvpress-snapkv": lambda compression_ratio: kvpress.SnapKVPress(
                        compression_ratio=compression_ratio, window_size=w, kernel_size=ks),
                    "kvpress-streaming": lambda compression_ratio: kvpress.StreamingLLMPress(

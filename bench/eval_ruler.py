@@ -76,6 +76,7 @@ import common  # noqa: E402
 SETTINGS = {
     "full": ("full", None, None),
     "snapkv-aware": ("aware", "snapkv", None),
+    "snapkv-aware-default": ("aware", "snapkv", None),
     "snapkv-aware-k15": ("aware", "snapkv", None),
     "snapkv-aware-k31": ("aware", "snapkv", None),
     "streaming-aware": ("aware", "streaming", None),
@@ -92,7 +93,12 @@ SETTINGS = {
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
 }
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
-OPTIONS = {"snapkv-aware-k15": {"kernel_size": 15}, "snapkv-aware-k31": {"kernel_size": 31}}
+# (snapkv-aware and snapkv-agnostic: the library's default until pool_shift, as their records
+# hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does)
+OPTIONS = {"snapkv-aware": {"kernel_size": 7, "pool_shift": 0},
+           "snapkv-aware-k15": {"kernel_size": 15, "pool_shift": 0},
+           "snapkv-aware-k31": {"kernel_size": 31, "pool_shift": 0},
+           "snapkv-agnostic": {"kernel_size": 7, "pool_shift": 0}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
 BOOTSTRAP_REPS = 1000
@@ -167,7 +173,7 @@ def _gen_kwargs(tok, refs, max_new):
 def _make_press(kvpress, cls: str, ratio: float, args):
     if cls == "SnapKVPress":
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=args.window,
-                                   kernel_size=args.kernel_size)
+                                   kernel_size=args.kernel_size or common.KVPRESS_KERNEL)
     if cls == "StreamingLLMPress":
         return kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=args.n_sink)
     if cls == "KVzipPress":
@@ -196,7 +202,8 @@ def _greedy(model, tok, cache, qst, n_ctx, max_new, refs):
 def _policies(names, args):
     """The named policies with the run's options (kvzip keeps its own window 0)."""
     return [kp.policy.make(n, n_sink=args.n_sink, kernel_size=args.kernel_size,
-                           chunk_size=args.chunk_size, window=None if n == "kvzip" else args.window)
+                           pool_shift=args.pool_shift, chunk_size=args.chunk_size,
+                           window=None if n == "kvzip" else args.window)
             for n in names]
 
 
@@ -776,7 +783,8 @@ def parse(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0: RULER's per task")
     ap.add_argument("--n-sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--kernel-size", type=int, default=7)
+    ap.add_argument("--kernel-size", type=int, default=None, help="snapkv's pool (default: the library's)")
+    ap.add_argument("--pool-shift", type=int, default=None, help="snapkv's pool shift (default: the library's)")
     ap.add_argument("--chunk-size", type=int, default=2048, help="kvzip's reconstruction chunk (ours and KVzipPress)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")

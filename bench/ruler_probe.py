@@ -75,7 +75,7 @@ def variants(args) -> dict:
     first answer token taken from the uncompressed prefill; "context", the context alone."""
     make = lambda name, **kw: kp.policy.make(  # noqa: E731
         name, n_sink=args.n_sink, **({} if name == "kvzip" else {"window": args.window}),
-        **{"kernel_size": args.kernel_size, **kw})
+        **{"kernel_size": args.kernel_size, "pool_shift": 0, **kw})  # the symmetric pools it probed
     trailing = lambda **kw: kp.policy.make(TrailingSnapKV(), **{  # noqa: E731
         "n_sink": args.n_sink, "window": args.window, "kernel_size": args.kernel_size, **kw})
     v = {

@@ -392,8 +392,13 @@ def test_main_quick_writes_and_tables(tmp_path, capsys):
 
 def test_setting_options_reach_the_policy():
     args = er.parse(["--quick", "--kernel-size", "5"])
-    assert er._setting_policy("snapkv-aware", args).kernel_size == 5
+    assert er._setting_policy("snapkv-aware-default", args).kernel_size == 5
     assert er._setting_policy("snapkv-aware-k15", args).kernel_size == 15
+    # the historical settings keep the pools their records were measured with
+    assert (er._setting_policy("snapkv-aware", args).kernel_size,
+            er._setting_policy("snapkv-aware", args).shift) == (7, 0)
+    assert er._setting_policy("snapkv-aware-default", er.parse(["--quick"])) == kp.policy.SnapKV(
+        budget=0.2, n_sink=4, window=32)
     assert er._setting_policy("kvzip-head", args).window == 0  # kvzip keeps its own window
 
 

@@ -136,7 +136,9 @@ def test_prefill_compression_matches_reference(request, gen, policy, arch):
     ids = _ids(gen, 1, n)
     full, qs = _capture_full(model, ids, w)
     cache = transformers.DynamicCache()
-    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=4, window=w, kernel_size=5):
+    # pool_shift=0: the reference's symmetric pool (the shift: tests/test_policy.py)
+    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=4, window=w, kernel_size=5,
+                        pool_shift=0):
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     for i in range(N_LAYERS):
@@ -226,7 +228,8 @@ def test_snapkv_generate_equals_manual_compressed_cache(model, gen):
         kk, vv, _ = ref.snapkv(qs[i], k, v, budget, n_sink=4, window=w, kernel_size=7)
         comp.update(kk.to(k.dtype).contiguous(), vv.to(v.dtype).contiguous(), i)
     expected = _manual_decode(model, comp, logits, 6, n)
-    with kp.hf.compress(model, policy="snapkv", budget=budget, n_sink=4, window=w, kernel_size=7):
+    with kp.hf.compress(model, policy="snapkv", budget=budget, n_sink=4, window=w, kernel_size=7,
+                        pool_shift=0):
         got = _gen(model, ids, n=6)[0, n:].tolist()
     assert got == expected
 
@@ -553,7 +556,7 @@ def _agnostic_run(model, policy, ctx, qst, calls, n, budget, sinks, w):
         model(input_ids=ctx, past_key_values=full, use_cache=True)
     keep, attended = _agnostic_expected_idx(policy, calls, budget, sinks, w, q_len)
     with kp.hf.compress(model, policy=policy, budget=budget, n_sink=sinks, window=w,
-                        kernel_size=7) as kvc:
+                        kernel_size=7, pool_shift=0) as kvc:
         cache = transformers.DynamicCache()
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)

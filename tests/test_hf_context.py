@@ -38,6 +38,8 @@ def _compress(model, ctx, policy, budget=BUDGET, **kw):
     """compress_context with the test's sizes; budget_scope "layer" unless given."""
     kw.setdefault("repeat_prompt", PROMPT if policy == "kvzip" else None)
     kw.setdefault("budget_scope", "layer")
+    kw.setdefault("kernel_size", 7)  # snapkv: the reference's symmetric pool (_policy_scores)
+    kw.setdefault("pool_shift", 0)
     return kp.hf.compress_context(model, ctx, policy, budget, n_sink=SINKS, window=W,
                                   chunk_size=kw.pop("chunk_size", CHUNK), **kw)
 

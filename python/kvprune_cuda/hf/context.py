@@ -252,6 +252,7 @@ def score_context(model, context_ids: torch.Tensor,
                   policy: Union[str, "policies.Policy", Sequence] = "kvzip", *,
                   n_sink: Optional[int] = None, window: Optional[int] = None,
                   kernel_size: Optional[int] = None, pool: Optional[str] = None,
+                  pool_shift: Optional[int] = None,
                   gqa: Optional[str] = None, chunk_size: Optional[int] = None,
                   softmax: Optional[str] = None, tokenizer=None,
                   repeat_prompt: Optional[RepeatPrompt] = None) -> ScoredContext:
@@ -270,7 +271,8 @@ def score_context(model, context_ids: torch.Tensor,
     if not named:
         raise ValueError("policy: expected at least one policy")
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
-                               gqa=gqa, chunk_size=chunk_size, softmax=softmax)
+                               pool_shift=pool_shift, gqa=gqa, chunk_size=chunk_size,
+                               softmax=softmax)
     scored = [policies.make(p, options) for p in named]
     kvzip = next((p for p in scored if isinstance(p, policies.KVzip)), None)
     prompt = None
@@ -302,8 +304,8 @@ def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "polic
                      **options) -> CompressedContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses
     it: :func:`score_context` (``tokenizer``, ``repeat_prompt``; ``options``: n_sink, window,
-    kernel_size, pool, gqa, chunk_size, softmax, as :class:`kvprune_cuda.policy.Options`
-    names them: another name is a TypeError) then :meth:`ScoredContext.compress`.
+    kernel_size, pool, pool_shift, gqa, chunk_size, softmax, as
+    :class:`kvprune_cuda.policy.Options` names them: another name is a TypeError) then :meth:`ScoredContext.compress`.
 
     ``budget``: tokens kept per layer, a fraction of ``n`` in (0, 1] or a count (None: the
     policy's own, 0.2 for a name; likewise each option left out keeps the policy's); with

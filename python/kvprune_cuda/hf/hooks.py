@@ -353,6 +353,7 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
              window: Optional[int] = None, kernel_size: Optional[int] = None,
              pool: Optional[str] = None, gqa: Optional[str] = None,
+             pool_shift: Optional[int] = None,
              decode: Optional[str] = None, max_held: Optional[int] = None,
              interval: Optional[int] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
@@ -364,7 +365,7 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
     (``prompt_len``, ``compressed_len``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
-                               gqa=gqa)
+                               gqa=gqa, pool_shift=pool_shift)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
                         interval=interval).attach()
     try:

@@ -23,10 +23,14 @@ from kvprune_cuda.hf.ragged_layer import ragged_layer
 from kvprune_cuda.hf.scoring import FIXED, MASKED, RAGGED, LayerState
 
 
-def _scores_as(policy: "policies.Policy", cls: type) -> bool:
-    """Whether ``policy`` scores exactly as ``cls`` (whose fused op then selects for it): a
-    subclass that overrides ``score`` must have its own scores ranked."""
-    return isinstance(policy, cls) and type(policy).score is cls.score
+def _fused(st: LayerState, policy: "policies.Policy", k: torch.Tensor, v: torch.Tensor,
+           kept: int, lens: Optional[torch.Tensor]):
+    """The policy's fused selection (:meth:`kvprune_cuda.policy.Policy.select`) of ``kept`` of
+    the unpadded ``k``, ``v`` [B, Hkv, n, D] by its observed window queries; None: none."""
+    q = None
+    if policy.evidence == "window_queries" and st.queries is not None:
+        q = st.queries[:, :, st.queries.shape[2] - policy.window:]
+    return policy.select(q, k, v, kept, seq_lens=lens)
 
 
 def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kept: int,
@@ -34,9 +38,9 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
                    scores: Optional[torch.Tensor] = None) -> int:
     """Compresses layer ``i`` of ``cache`` (uncompressed) to ``kept`` tokens per KV head;
     returns the tokens the layer then holds per head. Each head keeps ``kp.select_keep`` of
-    ``scores`` (fp32 [B, Hkv, n], unpadded rows; default the policy's own: snapkv runs the
-    fused ``kp.snapkv``, streaming ``kp.streaming``, unless a subclass overrides ``score``,
-    which is then ranked as for any other policy). Fixed-capacity policies (streaming,
+    ``scores`` (fp32 [B, Hkv, n], unpadded rows; default the policy's own: its fused
+    selection where it has one, :meth:`~kvprune_cuda.policy.Policy.select`: snapkv's
+    ``kp.snapkv``, streaming's ``kp.streaming``). Fixed-capacity policies (streaming,
     h2o) become a FixedCapacityLayer of ``kept`` slots; the others stay dense, with
     ``st.slot_valid`` marking the holes of left-padded rows."""
     k, v = cache_kv(cache, i)
@@ -57,13 +61,8 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
         pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, hkv, n)
         kk, vv, idx = k, v, (pos if lens is None else
                              torch.where(pos < lens[:, None, None], pos, -1))
-    elif scores is None and _scores_as(policy, policies.Streaming):
-        kk, vv, idx = kp.streaming(k, v, kept, n_sink=policy.n_sink, seq_lens=lens)
-    elif scores is None and _scores_as(policy, policies.SnapKV):
-        q = st.queries[:, :, st.queries.shape[2] - policy.window:]
-        kk, vv, idx = kp.snapkv(q, k, v, kept, n_sink=policy.n_sink, window=policy.window,
-                                kernel_size=policy.kernel_size, pool=policy.pool, gqa=policy.gqa,
-                                seq_lens=lens)
+    elif scores is None and (fused := _fused(st, policy, k, v, kept, lens)) is not None:
+        kk, vv, idx = fused
     else:
         s = scoring.selection_scores(st, policy, k, i) if scores is None else scores
         s = s if pad is None else scoring.shift_rows(s, pad, 2)

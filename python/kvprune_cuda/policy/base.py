@@ -56,6 +56,7 @@ class Options:
     kernel_size: Optional[int] = None
     pool: Optional[str] = None
     gqa: Optional[str] = None
+    pool_shift: Optional[int] = None
     chunk_size: Optional[int] = None
     softmax: Optional[str] = None
 
@@ -117,6 +118,15 @@ class Policy:
         """fp32 ``[B, Hkv, n]`` scores of ``keys`` [B, Hkv, n, D] from the post-RoPE
         ``queries`` [B, Hq, q, D] the policy observed."""
         raise NotImplementedError(f"policy {self.name!r} does not score keys")
+
+    def select(self, queries: Optional[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+               kept: int, *, seq_lens: Optional[torch.Tensor] = None):
+        """A fused op that scores, selects and gathers at once, for integrations that can use
+        one (``kp.hf``): a :class:`kvprune_cuda.KeptKV` of ``kept`` tokens of ``keys`` /
+        ``values`` [B, Hkv, n, D] from the observed ``queries`` [B, Hq, W, D]; None (the
+        default) when the policy has none, and the integration ranks :meth:`score` with
+        :func:`kvprune_cuda.select_keep`. Both must keep the same tokens."""
+        return None
 
     def to_config(self) -> dict:
         return {"policy": self.name, **asdict(self)}

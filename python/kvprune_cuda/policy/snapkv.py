@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 
-from kvprune_cuda._ops import pool_scores, window_scores
+from kvprune_cuda._ops import pool_scores, snapkv, window_scores
 from kvprune_cuda.policy.base import GQA, Policy, check_choice, check_int
 from kvprune_cuda.policy.registry import register
 
@@ -16,13 +17,19 @@ from kvprune_cuda.policy.registry import register
 @dataclass(frozen=True)
 class SnapKV(Policy):
     """SnapKV: the last ``window`` queries vote (attention probabilities, the query heads of
-    a KV group combined by ``gqa``), 1-D pooled over ``kernel_size`` positions."""
+    a KV group combined by ``gqa``), 1-D pooled over ``kernel_size`` positions (``pool``:
+    "max" or "avg"). ``pool_shift``: the pool of position ``i`` covers ``[i - r - pool_shift,
+    i + r - pool_shift]`` (``r = kernel_size // 2``; 0 <= pool_shift <= r; None:
+    ``kernel_size // 3``), so a voted token's score reaches the ``r + pool_shift`` tokens
+    after it and the ``r - pool_shift`` before it: a retrieval answer follows the key the
+    question names (docs/policy.md, "Defaults")."""
 
     name: ClassVar[str] = "snapkv"
     evidence: ClassVar[str] = "window_queries"
-    kernel_size: int = 7
+    kernel_size: int = 49
     pool: str = "max"
     gqa: str = "mean"
+    pool_shift: Optional[int] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,7 +38,28 @@ class SnapKV(Policy):
         check_int("kernel_size", self.kernel_size, 1)
         check_choice("pool", self.pool, ("max", "avg"))
         check_choice("gqa", self.gqa, GQA)
+        if self.pool_shift is not None:
+            check_int("pool_shift", self.pool_shift, 0)
+            if self.pool_shift > self.kernel_size // 2:
+                raise ValueError(f"pool_shift: {self.pool_shift} > kernel_size // 2 = "
+                                 f"{self.kernel_size // 2} (a token's own vote would leave "
+                                 "its pool)")
+
+    @property
+    def shift(self) -> int:
+        """The pool's shift: ``pool_shift``, or ``kernel_size // 3`` when None."""
+        return self.kernel_size // 3 if self.pool_shift is None else self.pool_shift
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
+        if self.shift:  # the votes move `shift` positions later, zeros in front
+            s = F.pad(s[..., : s.shape[-1] - self.shift], (self.shift, 0))
         return pool_scores(s, self.kernel_size, self.pool, window=self.window, seq_lens=seq_lens)
+
+    def select(self, queries, keys, values, kept, *, seq_lens=None):
+        """The fused ``kp.snapkv`` (unshifted pools, and only if ``score`` is this class's)."""
+        if self.shift or type(self).score is not SnapKV.score:
+            return None
+        return snapkv(queries, keys, values, kept, n_sink=self.n_sink, window=self.window,
+                      kernel_size=self.kernel_size, pool=self.pool, gqa=self.gqa,
+                      seq_lens=seq_lens)

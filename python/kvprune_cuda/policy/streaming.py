@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from kvprune_cuda._ops import streaming
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.registry import register
 
@@ -32,3 +33,9 @@ class Streaming(Policy):
         """Recency: the position, so the top scores are the most recent tokens."""
         b, hkv, n = keys.shape[:3]
         return torch.arange(n, dtype=torch.float32, device=keys.device).expand(b, hkv, n).clone()
+
+    def select(self, queries, keys, values, kept, *, seq_lens=None):
+        """The fused ``kp.streaming`` (only if ``score`` is this class's)."""
+        if type(self).score is not Streaming.score:
+            return None
+        return streaming(keys, values, kept, n_sink=self.n_sink, seq_lens=seq_lens)

@@ -63,6 +63,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                 budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
                 window: Optional[int] = None, kernel_size: Optional[int] = None,
                 pool: Optional[str] = None, gqa: Optional[str] = None,
+                pool_shift: Optional[int] = None,
                 decode: Optional[str] = None, max_held: Optional[int] = None,
                 interval: Optional[int] = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
@@ -82,7 +83,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     window queries); options left None keep the policy's own (budget 0.2, n_sink 4, window
     32, kernel_size 7 for a name)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
-                               gqa=gqa)
+                               gqa=gqa, pool_shift=pool_shift)
     p = engine_policy(policy, budget, options)
     rule = policies.make_decode(decode, max_held, interval, options, prompt=p)
     return {

@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-n-sink", type=int, default=None)
     p.add_argument("--kv-window", type=int, default=None)
     p.add_argument("--kv-kernel-size", type=int, default=None)
+    p.add_argument("--kv-pool-shift", type=int, default=None)
     p.add_argument("--kv-pool", default=None, help="max | avg")
     p.add_argument("--kv-gqa", default=None, help="the policy's GQA reduction")
     p.add_argument("--kv-decode", default=None, help="decode-time rule: streaming | snapkv | h2o")
@@ -63,7 +64,8 @@ def vllm_argv(argv: Sequence[str]) -> list:
     ours, rest = parser().parse_known_args(argv)
     flags = server_args(ours.kv_policy, ours.kv_budget, n_sink=ours.kv_n_sink,
                         window=ours.kv_window, kernel_size=ours.kv_kernel_size,
-                        pool=ours.kv_pool, gqa=ours.kv_gqa, decode=ours.kv_decode,
+                        pool_shift=ours.kv_pool_shift, pool=ours.kv_pool, gqa=ours.kv_gqa,
+                        decode=ours.kv_decode,
                         max_held=ours.kv_max_held, interval=ours.kv_interval)
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):

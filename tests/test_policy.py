@@ -1,0 +1,49 @@
+"""kp.policy.SnapKV's forward-shifted pool, by hand; the fused selection it takes only unshifted."""
+
+import pytest
+import torch
+
+import kvprune_cuda as kp
+from kvprune_cuda.policy import snapkv as snapkv_module
+
+
+def _score_of(monkeypatch, votes: list, **options) -> list:
+    """SnapKV(**options).score with the window's votes replaced by ``votes`` (one row)."""
+    s = torch.tensor(votes, dtype=torch.float32).view(1, 1, -1)
+    monkeypatch.setattr(snapkv_module, "window_scores", lambda *a, **k: s.clone())
+    p = kp.policy.SnapKV(**options)
+    return p.score(None, torch.zeros(1, 1, len(votes), 4))[0, 0].tolist()
+
+
+@pytest.mark.parametrize("shift, reached", [(0, [2, 3, 4, 5, 6]), (1, [3, 4, 5, 6, 7]),
+                                            (2, [4, 5, 6, 7, 8])])
+def test_a_vote_reaches_r_plus_shift_tokens_after_it(monkeypatch, shift, reached):
+    # one vote at position 4 of 14, window 2 (positions 12, 13 copied), kernel 5 (r = 2):
+    # it reaches the tokens in [4 - r + shift, 4 + r + shift]
+    votes = [0.0] * 14
+    votes[4] = 1.0
+    got = _score_of(monkeypatch, votes, budget=6, n_sink=0, window=2, kernel_size=5,
+                    pool_shift=shift)
+    assert [i for i, x in enumerate(got[:12]) if x == 1.0] == reached
+
+
+def test_the_shifted_pool_keeps_each_token_s_largest_reaching_vote(monkeypatch):
+    votes = [0.1, 0.2, 0.9, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.5, 0.6]
+    # kernel 3 (r = 1), shift 1: token i takes max(votes[i - 2], votes[i - 1], votes[i])
+    got = _score_of(monkeypatch, votes, budget=6, n_sink=0, window=2, kernel_size=3,
+                    pool_shift=1)
+    want = [0.1, 0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.3]
+    assert got[:10] == pytest.approx(want)
+
+
+def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
+    with pytest.raises(ValueError, match="pool_shift"):
+        kp.policy.SnapKV(kernel_size=7, pool_shift=4)
+    with pytest.raises(ValueError, match="pool_shift"):
+        kp.policy.SnapKV(pool_shift=-1)
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 64, 16)
+    assert kp.policy.SnapKV(budget=16, window=8, pool_shift=0).select(q, k, k, 16) is not None
+    assert kp.policy.SnapKV(budget=16, window=8, kernel_size=7, pool_shift=2).select(
+        q, k, k, 16) is None
+    # left None, the shift is a third of the kernel
+    assert [kp.policy.SnapKV(kernel_size=n).shift for n in (1, 7, 31, 49)] == [0, 2, 10, 16]
