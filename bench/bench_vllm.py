@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense run (the x dense columns then read '-')")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_concurrency.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_concurrency" / "main.json")
     ap.add_argument("--table", type=Path, metavar="FILE",
                     help="only print the table of an earlier --out file")
     args = ap.parse_args()

@@ -7,7 +7,7 @@ object keeps alive, found by walking it), the dense K/V of the same context, the
 compression seconds and the process's peak resident memory during the call above what it held
 before. Usage::
 
-    python bench/context_memory.py --novel emma --tokens 2000 --out bench/results/context_memory.json
+    python bench/context_memory.py --novel emma --tokens 2000 --out bench/results/context/memory.json
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", type=Path, default=common.RESULTS / "context_memory.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "context" / "memory.json")
     args = ap.parse_args()
     torch.set_num_threads(common.threads())
     model, tok = common.load_model(args.dtype)

@@ -45,7 +45,7 @@ recorded once per sample (``shared_seconds``). Decoding stops at EOS, at the tas
 in the answer (the score can no longer change).
 
     .venv/bin/python bench/eval_ruler.py --tokens 4096 --samples 5 --out bench/results/ruler_4k.json
-    .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k.json --plot bench/results/ruler_4k.png
+    .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k.json --plot bench/results/ruler_4k/plot.png
     .venv/bin/python bench/eval_ruler.py --quick      # tiny random model, no download (CI)
 
 ``--table`` also prints a task-family table (each family the mean of its tasks' means) and, per

@@ -18,8 +18,8 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   64 are recorded; every setting then names its own window).
 
     .venv/bin/python bench/ruler_variants.py --tokens 4096 --samples 2 --budgets 0.16 --dtype float32 \\
-        --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k_variants.json
-    .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k_ours*.json bench/results/ruler_4k_variants*.json
+        --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k/variants.json
+    .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k/ours*.json bench/results/ruler_4k/variants*.json
 
 (``--table`` of eval_ruler.py reads the variants' names once this module is imported: run
 the table through this script, ``bench/ruler_variants.py --table ...``.)
