@@ -796,7 +796,8 @@ def parse(argv=None):
     ap.add_argument("--skip-done", type=Path, nargs="+", metavar="FILE",
                     help="earlier --out files: their (sample, config) results are not run again "
                          "(a run in parts; --table merges the files)")
-    ap.add_argument("--table", type=Path, nargs="+", help="only print the tables of earlier --out files")
+    ap.add_argument("--table", type=Path, nargs="+",
+                    help="only print the tables of earlier --out files (and, with --out, write them merged)")
     ap.add_argument("--plot", type=Path, nargs="?", const=Path("bench/results/ruler.png"),
                     help="score vs budget per task family (PNG)")
     args = ap.parse_args(argv)
@@ -816,6 +817,9 @@ def main(argv=None) -> dict:
     if args.table:
         data = merge([json.loads(Path(f).read_text()) for f in args.table])
         print(table(data))
+        if args.out:  # the study's parts as one file; its meta: this merge's run, the parts' under "merged"
+            common.write_json(args.out, {**data, "meta": {}})
+            print(f"wrote {args.out}")
         if args.plot:
             plot(data, args.plot)
             print(f"wrote {args.plot}")

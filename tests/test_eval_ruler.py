@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import sys
 from pathlib import Path
@@ -427,3 +428,14 @@ def test_ratio_table_bootstrap_interval_by_hand():
     t = er.ratio_table(data)
     assert "| snapkv-aware@16% | 0.50 [0.00, 1.00] | n/a | 0.50 [0.00, 1.00] |" in t
     assert "| kvzip-head@16% | 1.00 [1.00, 1.00] | n/a | 1.00 [1.00, 1.00] |" in t
+
+
+def test_table_with_out_writes_the_parts_merged(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    er.main(["--quick", "--tasks", "vt", "--settings", "full", "--out", str(first)])
+    er.main(["--quick", "--tasks", "vt", "--settings", "snapkv-aware", "--out", str(second)])
+    merged = tmp_path / "merged.json"
+    er.main(["--table", str(first), str(second), "--out", str(merged)])
+    data = json.loads(merged.read_text())
+    assert [set(r["results"]) for r in data["records"]] == [{"full", "snapkv-aware@50%"}]
+    assert len(data["merged"]) == 2  # the parts' meta, kept
