@@ -28,6 +28,7 @@ def test_engine_args_wire_the_hooks_and_the_policy():
     ({"policy": "h2o"}, "policy"), ({"budget": 0.0}, "budget"), ({"budget": 1.5}, "budget"),
     ({"budget": 0}, "budget"), ({"n_sink": -1}, "n_sink"), ({"window": 0}, "window"),
     ({"kernel_size": 2.5}, "kernel_size"), ({"pool": "min"}, "pool"), ({"gqa": "avg"}, "gqa"),
+    ({"kernel_size": 7, "pool_shift": 4}, "pool_shift"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -182,9 +183,19 @@ def test_serve_builds_vllms_server_command():
     assert argv[:5] == ["--model", "m", "--port", "8001", "--enforce-eager"]
     assert argv[5:] == kp.vllm.server_args("snapkv", 0.16, window=16)
     assert vllm_argv(["m", "--kv-budget", "512"])[2:] == kp.vllm.server_args("snapkv", 512)
+    assert vllm_argv(["m", "--kv-kernel-size", "31", "--kv-pool-shift", "0"])[2:] == \
+        kp.vllm.server_args("snapkv", kernel_size=31, pool_shift=0)
     with pytest.raises(SystemExit, match="--worker-cls"):
         vllm_argv(["m", "--worker-cls", "x.Y"])
     with pytest.raises(SystemExit, match="MODEL comes first"):  # not --model float32
         vllm_argv(["--dtype", "float32", "m"])
     with pytest.raises(ValueError, match="budget"):
         vllm_argv(["m", "--kv-budget", "1.5"])
+
+
+def test_the_default_pool_and_its_shift_reach_the_engine():
+    cfg = kp.vllm.engine_args("snapkv", 0.16, pool_shift=8)["additional_config"]
+    p = config.from_vllm_config(type("Cfg", (), {"additional_config": cfg}))
+    assert (p.kernel_size, p.shift) == (49, 8) and p == kp.policy.SnapKV(0.16, pool_shift=8)
+    cfg = kp.vllm.engine_args("snapkv", 0.16)["additional_config"]
+    assert config.from_vllm_config(type("Cfg", (), {"additional_config": cfg})).shift == 16

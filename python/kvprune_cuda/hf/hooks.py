@@ -360,7 +360,7 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
     :class:`~kvprune_cuda.policy.Policy`; see :mod:`kvprune_cuda.policy`; options left None
-    keep the policy's own: budget 0.2, n_sink 4, window 32, kernel_size 7 for a name), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
+    keep the policy's own: budget 0.2, n_sink 4, window 32, kernel_size 49, pool_shift 16 for a name), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
     ``interval`` generated tokens once it holds more than ``max_held``
     (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
     (``prompt_len``, ``compressed_len``, ``nbytes``)."""

@@ -81,7 +81,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     path in every vLLM process, so it must be defined at the top level of an importable
     module) whose evidence the engine gives (:data:`ENGINE_EVIDENCE`: the keys, the last
     window queries); options left None keep the policy's own (budget 0.2, n_sink 4, window
-    32, kernel_size 7 for a name)."""
+    32, kernel_size 49, pool_shift 16 for a name)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
     p = engine_policy(policy, budget, options)
