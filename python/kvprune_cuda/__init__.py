@@ -6,8 +6,7 @@ core. See README.md for the semantics; ``kvprune_cuda.reference`` is the spec in
 plain PyTorch.
 """
 
-from kvprune_cuda import _fake  # noqa: F401  (registers fake impls for torch.compile)
-from kvprune_cuda import _fake_decode  # noqa: F401  (fake impls of the decode ops)
+from kvprune_cuda import _fake  # noqa: F401  (registers every op's fake impl for torch.compile)
 from kvprune_cuda import paged  # noqa: F401  (kp.paged.*: engine-native block-table caches)
 from kvprune_cuda import policy  # noqa: F401  (kp.policy: the compression policies, torch-only)
 from kvprune_cuda import testing  # noqa: F401  (kp.testing.emulate_cuda)
