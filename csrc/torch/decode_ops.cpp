@@ -1,5 +1,5 @@
-// Schemas and device-agnostic bodies of the decode-time eviction ops: argument
-// checks (ValueError / TypeError naming the argument), params structs, outputs.
+// Device-agnostic bodies of the decode-time eviction ops (schemas: registration.cpp):
+// argument checks (ValueError / TypeError naming the argument), params structs, outputs.
 #include "torch/decode_ops.h"
 
 #include <c10/core/DeviceGuard.h>
@@ -8,21 +8,6 @@
 
 #include "torch/checks.h"
 #include "torch/ops.h"
-
-TORCH_LIBRARY_FRAGMENT(kvprune, m) {
-  m.def("streaming_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) slot_pos, "
-        "Tensor(d!) seq_lens, Tensor k_new, Tensor v_new, int n_sink, Tensor? slots) -> ()");
-  m.def("rerotate_keys(Tensor(a!) k, Tensor old_pos, Tensor new_pos, float theta, int rotary_dim, "
-        "str layout, Tensor? inv_freq) -> ()");
-  m.def("decode_scores(Tensor q, Tensor k_cache, Tensor slot_pos, Tensor seq_lens, "
-        "Tensor(a!)? h2o_scores, float? scale, str gqa, Tensor? v_cache) -> Tensor");
-  m.def("h2o_evict(Tensor(a!) h2o_scores, Tensor(b!) slot_pos, Tensor seq_lens, int n_sink, "
-        "int recent, int num) -> Tensor");
-  m.def("gather_kv_rope(Tensor k, Tensor v, Tensor idx, float theta, int rotary_dim, str layout, "
-        "Tensor? inv_freq) -> (Tensor, Tensor)");
-  m.def("gather_kv_rope_out(Tensor k, Tensor v, Tensor idx, Tensor(a!) out_k, Tensor(b!) out_v, "
-        "float theta, int rotary_dim, str layout, Tensor? inv_freq) -> ()");
-}
 
 namespace kvprune::torch_ext {
 namespace {

@@ -1,5 +1,6 @@
-// Op schemas of the `kvprune` namespace (torch.ops.kvprune.*). Device impls are
-// registered in ops_cpu.cpp / ops_cuda.cpp, fake impls in python/kvprune_cuda/_fake.py.
+// Op schemas of the `kvprune` namespace (torch.ops.kvprune.*), every op's here. Device impls
+// are registered in ops_cpu.cpp / ops_cuda.cpp (decode ops: decode_ops_cpu.cpp /
+// decode_ops_cuda.cpp), fake impls in python/kvprune_cuda/_fake.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(kvprune, m) {
@@ -22,4 +23,17 @@ TORCH_LIBRARY(kvprune, m) {
         "Tensor? lse, float? scale, str gqa, str layout, Tensor? k_scale=None) -> Tensor");
   m.def("paged_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor idx, str layout) -> Tensor");
+  // decode-time ops
+  m.def("streaming_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) slot_pos, "
+        "Tensor(d!) seq_lens, Tensor k_new, Tensor v_new, int n_sink, Tensor? slots) -> ()");
+  m.def("rerotate_keys(Tensor(a!) k, Tensor old_pos, Tensor new_pos, float theta, int rotary_dim, "
+        "str layout, Tensor? inv_freq) -> ()");
+  m.def("decode_scores(Tensor q, Tensor k_cache, Tensor slot_pos, Tensor seq_lens, "
+        "Tensor(a!)? h2o_scores, float? scale, str gqa, Tensor? v_cache) -> Tensor");
+  m.def("h2o_evict(Tensor(a!) h2o_scores, Tensor(b!) slot_pos, Tensor seq_lens, int n_sink, "
+        "int recent, int num) -> Tensor");
+  m.def("gather_kv_rope(Tensor k, Tensor v, Tensor idx, float theta, int rotary_dim, str layout, "
+        "Tensor? inv_freq) -> (Tensor, Tensor)");
+  m.def("gather_kv_rope_out(Tensor k, Tensor v, Tensor idx, Tensor(a!) out_k, Tensor(b!) out_v, "
+        "float theta, int rotary_dim, str layout, Tensor? inv_freq) -> ()");
 }
