@@ -29,7 +29,10 @@ as ``ruler_tasks.prompt_ids`` does):
   count). ``kvpress-snapkv-aware``: query-aware (kvpress's pipeline compresses the context
   alone; a kvpress user compressing query-aware puts the question into the compressed text):
   the prompt but its last token prefilled under the press (the question in SnapKV's window),
-  then that token: the peer of ``snapkv-aware``, on the same tokens and budget. The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
+  then that token: the peer of ``snapkv-aware``, on the same tokens and budget;
+  ``kvpress-observed-aware`` likewise with ``ObservedAttentionPress`` (each key's attention
+  averaged over the queries that see it; eager attention for its prefill), the peer of
+  ``h2o-aware`` (summed). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
   their bytes are really freed; ``KVzipPress`` masks evicted keys and frees nothing (its row
   says "masked"; its tokens are the unmasked ones).
 
@@ -91,7 +94,9 @@ SETTINGS = {
     "kvpress-streaming": ("kvpress", "StreamingLLMPress", None),
     "kvpress-kvzip": ("kvpress", "KVzipPress", None),
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
+    "kvpress-observed-aware": ("kvpress", "ObservedAttentionPress", "aware"),
 }
+EAGER_PRESSES = ("ObservedAttentionPress",)  # presses that read the attention weights
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
 # (snapkv-aware and snapkv-agnostic: the library's default until pool_shift, as their records
 # hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does)
@@ -314,8 +319,16 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
     kb = kp.hf.resolve_budget(frac, n_ctx)
     press = _make_press(kvpress, cls, 1.0 - (kb + 0.5) / n_ctx, args)
     cache = DynamicCache()
-    with torch.no_grad(), press(model):
-        model.model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    eager = cls in EAGER_PRESSES  # it reads the attention weights: eager attention, this prefill
+    if eager:
+        model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad(), press(model):
+            model.model(input_ids=ctx, past_key_values=cache, use_cache=True,
+                        output_attentions=eager)
+    finally:
+        if eager:
+            model.set_attn_implementation("sdpa")
     layers = model.model.layers
     if cls == "KVzipPress":  # masked, not freed
         hkv = model.config.num_key_value_heads
