@@ -320,6 +320,7 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
     press = _make_press(kvpress, cls, 1.0 - (kb + 0.5) / n_ctx, args)
     cache = DynamicCache()
     eager = cls in EAGER_PRESSES  # it reads the attention weights: eager attention, this prefill
+    attn = model.config._attn_implementation
     if eager:
         model.set_attn_implementation("eager")
     try:
@@ -328,7 +329,7 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
                         output_attentions=eager)
     finally:
         if eager:
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(attn)
     layers = model.model.layers
     if cls == "KVzipPress":  # masked, not freed
         hkv = model.config.num_key_value_heads

@@ -28,12 +28,19 @@ def test_a_vote_reaches_r_plus_shift_tokens_after_it(monkeypatch, shift, reached
 
 
 def test_the_shifted_pool_keeps_each_token_s_largest_reaching_vote(monkeypatch):
-    votes = [0.1, 0.2, 0.9, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.5, 0.6]
-    # kernel 3 (r = 1), shift 1: token i takes max(votes[i - 2], votes[i - 1], votes[i])
+    votes = [0.1, 0.2, 0.9, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.8, 0.5, 0.6]
+    # kernel 3 (r = 1), shift 1: token i < 10 takes max(votes[i - 2], votes[i - 1], votes[i]);
+    # the votes of the window (positions 10, 11) are not pooled, the last prefix vote (9) is
     got = _score_of(monkeypatch, votes, budget=6, n_sink=0, window=2, kernel_size=3,
                     pool_shift=1)
-    want = [0.1, 0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.3]
+    want = [0.1, 0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.8]
     assert got[:10] == pytest.approx(want)
+
+
+def test_a_shift_longer_than_the_row_keeps_its_shape(monkeypatch):
+    got = _score_of(monkeypatch, [0.5] * 20, budget=10, n_sink=0, window=2, kernel_size=101,
+                    pool_shift=50)
+    assert len(got) == 20 and got[:18] == pytest.approx([0.5] * 18)
 
 
 def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
@@ -45,5 +52,6 @@ def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
     assert kp.policy.SnapKV(budget=16, window=8, pool_shift=0).select(q, k, k, 16) is not None
     assert kp.policy.SnapKV(budget=16, window=8, kernel_size=7, pool_shift=2).select(
         q, k, k, 16) is None
-    # left None, the shift is a third of the kernel
-    assert [kp.policy.SnapKV(kernel_size=n).shift for n in (1, 7, 31, 49)] == [0, 2, 10, 16]
+    # left None: 16 with the default kernel (49), else 0 (the centred pools of before)
+    assert [kp.policy.SnapKV(kernel_size=n).shift for n in (1, 7, 31, 49)] == [0, 0, 0, 16]
+    assert kp.policy.SnapKV().kernel_size == 49 and kp.policy.SnapKV().shift == 16

@@ -40,7 +40,7 @@ class KVCompressor:
     :func:`~kvprune_cuda.hf.compress_context`.
 
     ``policy``: a name :func:`kvprune_cuda.policy.registered` knows (built with ``budget`` and
-    ``options``, a :class:`kvprune_cuda.policy.Options`) or a
+    ``options``, a :class:`kvprune_cuda.policy.Options`, or its fields as keywords) or a
     :class:`~kvprune_cuda.policy.Policy`; ``decode``, ``max_held``, ``interval``: the decode-time
     rule (:func:`kvprune_cuda.policy.make_decode`). ``observe``: further policies whose evidence is
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
@@ -56,7 +56,11 @@ class KVCompressor:
                  budget: Union[int, float, None] = None, *,
                  options: Optional["policies.Options"] = None, compress_on_prefill: bool = True,
                  observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
-                 max_held: Optional[int] = None, interval: Optional[int] = None) -> None:
+                 max_held: Optional[int] = None, interval: Optional[int] = None,
+                 **option_fields) -> None:
+        if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
+            options = policies.Options(**{**(options or policies.Options()).given(),
+                                          **option_fields})
         self.policy = policies.make(policy, options, budget=budget)
         self.decode = policies.make_decode(decode, max_held, interval, options, prompt=self.policy)
         if self.decode is not None and self.policy.fixed_capacity:

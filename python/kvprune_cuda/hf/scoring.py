@@ -125,23 +125,28 @@ def fold_reconstruction(st: LayerState, kvzip: "policies.KVzip", qn: torch.Tenso
     st.kvzip[:, :, s:e] = chunk
 
 
-def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor, layer: int
-                     ) -> torch.Tensor:
-    """fp32 [B, Hkv, n]: the scores ``policy`` ranks a layer's uncompressed, unpadded keys
-    ``k`` [B, Hkv, n, D] by: the window queries' pooled vote (snapkv), the accumulated
-    attention (h2o), the reconstruction maxima (kvzip), recency (streaming): what the
-    policy's ``evidence`` names."""
+RECORDED = ("attention", "reconstruction")  # evidence whose scores the forwards accumulated
+
+
+def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor, layer: int,
+                     seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [B, Hkv, n]: the scores ``policy`` ranks a layer's uncompressed keys by: the window
+    queries' pooled vote (snapkv), recency (streaming), computed now from ``k`` [B, Hkv, n, D]
+    (rows valid up to ``seq_lens``, right padding; None: all); the accumulated attention (h2o)
+    or the reconstruction maxima (kvzip): evidence :data:`RECORDED` over the forwards, in the
+    cache's own layout (``k`` unused)."""
     if policy.evidence == "window_queries":
         if st.queries is None or st.queries.shape[2] < policy.window:
             raise RuntimeError(f"policy: {policy.name!r} needs {policy.window} observed queries "
                                f"in layer {layer}; the compressor recorded "
                                f"{0 if st.queries is None else st.queries.shape[2]}")
-        return policy.score(st.queries[:, :, st.queries.shape[2] - policy.window:], k)
-    recorded = {"attention": st.h2o, "reconstruction": st.kvzip}
+        return policy.score(st.queries[:, :, st.queries.shape[2] - policy.window:], k,
+                            seq_lens=seq_lens)
+    recorded = dict(zip(RECORDED, (st.h2o, st.kvzip)))
     if policy.evidence in recorded:
         if recorded[policy.evidence] is None:
             raise RuntimeError(f"policy: {policy.name!r} has no {policy.evidence} scores recorded "
                                f"for layer {layer} (attention: not observed by the compressor; "
                                "reconstruction: none run)")
         return recorded[policy.evidence]
-    return policy.score(None, k)
+    return policy.score(None, k, seq_lens=seq_lens)

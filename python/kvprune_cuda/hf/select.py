@@ -64,8 +64,11 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
     elif scores is None and (fused := _fused(st, policy, k, v, kept, lens)) is not None:
         kk, vv, idx = fused
     else:
-        s = scoring.selection_scores(st, policy, k, i) if scores is None else scores
-        s = s if pad is None else scoring.shift_rows(s, pad, 2)
+        if scores is None and policy.evidence not in scoring.RECORDED:  # scored on the unpadded k
+            s = scoring.selection_scores(st, policy, k, i, seq_lens=lens)
+        else:  # recorded or given: in the cache's left-padded layout
+            s = scoring.selection_scores(st, policy, k, i) if scores is None else scores
+            s = s if pad is None else scoring.shift_rows(s, pad, 2)
         idx = kp.select_keep(s.contiguous(), kept, n_sink=policy.n_sink, window=policy.window,
                              seq_lens=lens)
         kk, vv = kp.gather_kv(k, v, idx)

@@ -96,8 +96,9 @@ def make_decode(decode: Optional[str], max_held: Optional[int], interval: Option
         raise ValueError(f"max_held: expected a token count, got {max_held!r}")
     if isinstance(interval, bool) or not isinstance(interval, int):
         raise ValueError(f"interval: expected a token count, got {interval!r}")
-    if prompt is not None:
-        options = Options(**{f.name: getattr(prompt, f.name, getattr(options, f.name, None))
+    if prompt is not None:  # the prompt's fields win
+        own = {f.name for f in fields(prompt)}
+        options = Options(**{f.name: getattr(prompt if f.name in own else options, f.name, None)
                              for f in fields(Options)})
     try:
         policy = make(decode, options, budget=max_held, **given)

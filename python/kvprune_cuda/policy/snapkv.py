@@ -12,21 +12,27 @@ from kvprune_cuda._ops import pool_scores, snapkv, window_scores
 from kvprune_cuda.policy.base import GQA, Policy, check_choice, check_int
 from kvprune_cuda.policy.registry import register
 
+DEFAULT_KERNEL = 49  # the pool's width and shift by default: a pool over [i - 40, i + 8]
+DEFAULT_SHIFT = 16   # (bench/RESULTS.md, "RULER-style tasks")
+
 
 @register
 @dataclass(frozen=True)
 class SnapKV(Policy):
     """SnapKV: the last ``window`` queries vote (attention probabilities, the query heads of
     a KV group combined by ``gqa``), 1-D pooled over ``kernel_size`` positions (``pool``:
-    "max" or "avg"). ``pool_shift``: the pool of position ``i`` covers ``[i - r - pool_shift,
-    i + r - pool_shift]`` (``r = kernel_size // 2``; 0 <= pool_shift <= r; None:
-    ``kernel_size // 3``), so a voted token's score reaches the ``r + pool_shift`` tokens
-    after it and the ``r - pool_shift`` before it: a retrieval answer follows the key the
-    question names (docs/policy.md, "Defaults")."""
+    "max" or "avg"). ``pool_shift``: the pool of position ``i`` covers the votes of
+    ``[i - r - pool_shift, i + r - pool_shift]`` (``r = kernel_size // 2``; 0 <= pool_shift <=
+    r), so a voted token's score reaches the ``r + pool_shift`` tokens after it and the
+    ``r - pool_shift`` before it: a retrieval answer follows the key the question names. None:
+    the measured default's shift, :data:`DEFAULT_SHIFT`, with the default kernel
+    :data:`DEFAULT_KERNEL`, else 0 (a centred pool, as every kernel was before the shift)
+    (docs/policy.md, "Defaults"). Only the votes before the window (the last ``window``
+    tokens, always kept) are pooled."""
 
     name: ClassVar[str] = "snapkv"
     evidence: ClassVar[str] = "window_queries"
-    kernel_size: int = 49
+    kernel_size: int = DEFAULT_KERNEL
     pool: str = "max"
     gqa: str = "mean"
     pool_shift: Optional[int] = None
@@ -47,14 +53,24 @@ class SnapKV(Policy):
 
     @property
     def shift(self) -> int:
-        """The pool's shift: ``pool_shift``, or ``kernel_size // 3`` when None."""
-        return self.kernel_size // 3 if self.pool_shift is None else self.pool_shift
+        """The pool's shift: ``pool_shift``; None: :data:`DEFAULT_SHIFT` with the default
+        kernel, else 0."""
+        if self.pool_shift is not None:
+            return self.pool_shift
+        return DEFAULT_SHIFT if self.kernel_size == DEFAULT_KERNEL else 0
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
-        if self.shift:  # the votes move `shift` positions later, zeros in front
-            s = F.pad(s[..., : s.shape[-1] - self.shift], (self.shift, 0))
-        return pool_scores(s, self.kernel_size, self.pool, window=self.window, seq_lens=seq_lens)
+        if not self.shift:
+            return pool_scores(s, self.kernel_size, self.pool, window=self.window,
+                               seq_lens=seq_lens)
+        # the votes move `shift` positions later (zeros in front), the centred pool of the
+        # longer rows, cut back: position i pools the votes of [i - r - shift, i + r - shift]
+        n, shift = s.shape[-1], self.shift
+        lens = None if seq_lens is None else seq_lens + shift
+        pooled = pool_scores(F.pad(s, (shift, 0)), self.kernel_size, self.pool,
+                             window=self.window, seq_lens=lens)
+        return pooled[..., :n].contiguous()
 
     def select(self, queries, keys, values, kept, *, seq_lens=None):
         """The fused ``kp.snapkv`` (unshifted pools, and only if ``score`` is this class's)."""
