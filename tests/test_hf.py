@@ -251,6 +251,27 @@ def test_left_padded_batch_matches_single(model, gen, policy):
     assert out_b[1, 50:].tolist() == out_b1[0, 37:].tolist()
 
 
+def test_left_padded_row_keeps_its_own_tokens_under_the_default_pool(model, gen):
+    """With the default snapkv (a shifted pool, ranked by kp.select_keep), a left-padded row
+    keeps the keys it keeps alone: its scores are computed on its unpadded keys."""
+    a, b = _ids(gen, 1, 160), _ids(gen, 1, 120)
+    batch, mask = torch.zeros(2, 160, dtype=torch.long), torch.zeros(2, 160, dtype=torch.long)
+    batch[0], mask[0] = a[0], 1
+    batch[1, 40:], mask[1, 40:] = b[0], 1
+    both, alone = transformers.DynamicCache(), transformers.DynamicCache()
+    with kp.hf.compress(model, policy="snapkv", budget=48, n_sink=4, window=8) as kvc:
+        assert kvc.policy.shift == 16
+        with torch.no_grad():
+            model(input_ids=batch, attention_mask=mask, past_key_values=both, use_cache=True,
+                  position_ids=(mask.cumsum(-1) - 1).clamp_min(0))  # as generate() gives them
+    with kp.hf.compress(model, policy="snapkv", budget=48, n_sink=4, window=8):
+        with torch.no_grad():
+            model(input_ids=b, past_key_values=alone, use_cache=True)
+    for i in range(N_LAYERS):
+        torch.testing.assert_close(hf.cache_kv(both, i)[0][1], hf.cache_kv(alone, i)[0][0],
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_streaming_decode_keeps_budget(model, gen):
     ids = _ids(gen, 1, 40)
     cache = transformers.DynamicCache()
