@@ -38,7 +38,7 @@ print(f"prompt: {ids['input_ids'].shape[1]} tokens, key {key}")
 
 for policy in ("full", "snapkv"):
     cache = DynamicCache()
-    with kp.hf.compress(model, policy=policy, budget=0.2, n_sink=4, window=32, kernel_size=7) as comp:
+    with kp.hf.compress(model, policy=policy, budget=0.2, n_sink=4, window=32) as comp:
         out = model.generate(**ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     print(f"{policy:>8}: kept {comp.compressed_len} of {comp.prompt_len} prompt tokens per layer, "
