@@ -11,6 +11,7 @@ import torch
 
 import kvprune_cuda as kp
 from kvprune_cuda import policy as policies
+from kvprune_cuda.engine import kept_indices
 from kvprune_cuda.hf import scoring
 from kvprune_cuda.hf._compat import cache_kv, set_cache_kv
 
@@ -41,8 +42,10 @@ def decode_step(rule: "policies.DecodeRule", st: "scoring.LayerState", module, c
             st.slot_valid is not None and not bool(st.slot_valid.all())):
         raise ValueError("attention_mask: decode-time compression needs rows without "
                          "padding and one token count per layer")
-    scores = st.h2o if rule.accumulates else p.score(st.queries, k, scale=scale)
-    idx = kp.select_keep(scores, kept, n_sink=p.n_sink, window=p.window)
+    if rule.accumulates:  # h2o: by the sums
+        idx = kp.select_keep(st.h2o, kept, n_sink=p.n_sink, window=p.window)
+    else:
+        idx = kept_indices(p, st.queries, k, kept, scale=scale)
     kk, vv = kp.gather_kv(k, v, idx)
     set_cache_kv(cache, i, kk.contiguous(), vv.contiguous())
     if rule.accumulates:  # the kept keys keep their sums

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from kvprune_cuda import policy as policies
-from kvprune_cuda.evidence import keep_last
+from kvprune_cuda.engine import keep_last
 from kvprune_cuda.hf._compat import rope
 from kvprune_cuda.hf.memory import tensor_bytes
 

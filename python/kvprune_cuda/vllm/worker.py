@@ -46,10 +46,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from vllm.v1.worker.cpu_worker import CPUWorker as _VllmCPUWorker
 
 import kvprune_cuda as kp
-from kvprune_cuda.evidence import keep_last
+from kvprune_cuda.engine import keep_last, kept_indices
 from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
-from kvprune_cuda.vllm._select import kept_indices
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
 from kvprune_cuda.vllm.plan import (PlanNotCarriedOut, ReportedModelRunnerOutput, StepPlan,
                                     plan_of)
@@ -210,7 +209,8 @@ class RunnerHooks:
                 evidence[layer] = evidence[layer].gather(2, idx.long())  # kept keys' sums
             else:
                 keys = keys_of(row, row_blocks)
-                idx = kept_indices(policy, queries, keys, row.kept, module.impl.scale)
+                idx = kept_indices(policy, queries.transpose(0, 1).unsqueeze(0), keys, row.kept,
+                                   scale=module.impl.scale)  # queries [M, Hq, D] -> [1, Hq, M, D]
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
             compact_request(cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())

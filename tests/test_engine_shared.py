@@ -1,0 +1,44 @@
+"""kvprune_cuda.engine: the query window kp.hf and kp.vllm both record (keep_last), and the
+kept tokens they both choose (kept_indices), by hand."""
+
+import pytest
+import torch
+
+import kvprune_cuda as kp
+from kvprune_cuda.engine import keep_last, kept_indices
+
+
+def test_keep_last_by_hand():
+    a = torch.arange(5.0).view(5, 1, 1)           # queries 0..4 ([q, Hq, D], vLLM's layout)
+    w = keep_last(None, a, 3, 0)
+    assert w.flatten().tolist() == [2.0, 3.0, 4.0]
+    w = keep_last(w, torch.tensor([5.0, 6.0]).view(2, 1, 1), 3, 0)
+    assert w.flatten().tolist() == [4.0, 5.0, 6.0]
+    w = keep_last(w, torch.arange(10.0, 20.0).view(10, 1, 1), 3, 0)
+    assert w.flatten().tolist() == [17.0, 18.0, 19.0]
+    assert keep_last(None, a, 0, 0).shape == (0, 1, 1)
+    assert keep_last(None, a[:2], 3, 0).flatten().tolist() == [0.0, 1.0]
+
+
+def test_keep_last_copies_along_the_hf_layout():
+    q = torch.arange(24.0).view(1, 2, 6, 2)      # [B, Hq, q, D], kp.hf's layout
+    w = keep_last(None, q, 2, 2)
+    assert torch.equal(w, q[:, :, 4:])
+    q.zero_()                                     # a copy: the forward's tensor may go
+    assert w.sum() > 0 and w.untyped_storage().nbytes() == w.numel() * 4
+
+
+def test_kept_indices_are_the_sinks_the_window_and_the_top_scores():
+    # streaming scores recency: 2 sinks, a window of 3 and the 3 most recent of the rest
+    keys = torch.randn(1, 2, 20, 4)
+    idx = kept_indices(kp.policy.Streaming(budget=8, n_sink=2, window=3), None, keys, 8)
+    assert idx.tolist() == [[[0, 1, 14, 15, 16, 17, 18, 19]] * 2]
+    # snapkv: the window's queries vote; a key equal to every query wins outside the window
+    q = torch.zeros(1, 2, 4, 4)
+    q[..., 0] = 8.0
+    keys = torch.zeros(1, 1, 30, 4)
+    keys[0, 0, 10, 0] = 1.0
+    p = kp.policy.SnapKV(budget=7, n_sink=2, window=4, kernel_size=1)
+    assert kept_indices(p, q, keys, 7).tolist() == [[[0, 1, 10, 26, 27, 28, 29]]]
+    with pytest.raises(ValueError, match="queries"):
+        kept_indices(p, q[:, :, :2], keys, 7)
