@@ -28,9 +28,11 @@ def keep_last(recorded: Optional[torch.Tensor], new: torch.Tensor, keep: int,
     query dimension ``dim`` (kp.hf: [B, Hq, q, D], dim 2; kp.vllm: [q, Hq, D], dim 0), a copy."""
     n = new.shape[dim]
     new = new.narrow(dim, n - min(keep, n), min(keep, n))
-    both = new if recorded is None else torch.cat([recorded, new], dim)
-    m = both.shape[dim]
-    return both.narrow(dim, m - min(keep, m), min(keep, m)).clone()
+    room = keep - new.shape[dim]  # for the recorded ones' tail
+    if recorded is None or room == 0:
+        return new.clone()
+    r = recorded.shape[dim]
+    return torch.cat([recorded.narrow(dim, r - min(room, r), min(room, r)), new], dim)
 
 
 def kept_indices(policy: "policies.Policy", queries: Optional[torch.Tensor], keys: torch.Tensor,

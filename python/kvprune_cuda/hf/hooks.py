@@ -22,6 +22,7 @@ key's attention summed over the decode forwards. Only ``DynamicCache``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -59,8 +60,7 @@ class KVCompressor:
                  max_held: Optional[int] = None, interval: Optional[int] = None,
                  **option_fields) -> None:
         if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
-            options = policies.Options(**{**(options or policies.Options()).given(),
-                                          **option_fields})
+            options = dataclasses.replace(options or policies.Options(), **option_fields)
         self.policy = policies.make(policy, options, budget=budget)
         self.decode = policies.make_decode(decode, max_held, interval, options, prompt=self.policy)
         if self.decode is not None and self.policy.fixed_capacity:

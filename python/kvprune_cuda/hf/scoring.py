@@ -125,6 +125,15 @@ def fold_reconstruction(st: LayerState, kvzip: "policies.KVzip", qn: torch.Tenso
     st.kvzip[:, :, s:e] = chunk
 
 
+def window_queries(st: LayerState, policy: "policies.Policy", layer: int) -> torch.Tensor:
+    """[B, Hq, W, D]: the last ``policy.window`` queries recorded for ``layer``."""
+    if st.queries is None or st.queries.shape[2] < policy.window:
+        raise RuntimeError(f"policy: {policy.name!r} needs {policy.window} observed queries "
+                           f"in layer {layer}; the compressor recorded "
+                           f"{0 if st.queries is None else st.queries.shape[2]}")
+    return st.queries[:, :, st.queries.shape[2] - policy.window:]
+
+
 RECORDED = ("attention", "reconstruction")  # evidence whose scores the forwards accumulated
 
 
@@ -136,12 +145,7 @@ def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor,
     or the reconstruction maxima (kvzip): evidence :data:`RECORDED` over the forwards, in the
     cache's own layout (``k`` unused)."""
     if policy.evidence == "window_queries":
-        if st.queries is None or st.queries.shape[2] < policy.window:
-            raise RuntimeError(f"policy: {policy.name!r} needs {policy.window} observed queries "
-                               f"in layer {layer}; the compressor recorded "
-                               f"{0 if st.queries is None else st.queries.shape[2]}")
-        return policy.score(st.queries[:, :, st.queries.shape[2] - policy.window:], k,
-                            seq_lens=seq_lens)
+        return policy.score(window_queries(st, policy, layer), k, seq_lens=seq_lens)
     recorded = dict(zip(RECORDED, (st.h2o, st.kvzip)))
     if policy.evidence in recorded:
         if recorded[policy.evidence] is None:

@@ -23,13 +23,12 @@ from kvprune_cuda.hf.ragged_layer import ragged_layer
 from kvprune_cuda.hf.scoring import FIXED, MASKED, RAGGED, LayerState
 
 
-def _fused(st: LayerState, policy: "policies.Policy", k: torch.Tensor, v: torch.Tensor,
-           kept: int, lens: Optional[torch.Tensor]):
+def _fused(st: LayerState, policy: "policies.Policy", i: int, k: torch.Tensor,
+           v: torch.Tensor, kept: int, lens: Optional[torch.Tensor]):
     """The policy's fused selection (:meth:`kvprune_cuda.policy.Policy.select`) of ``kept`` of
-    the unpadded ``k``, ``v`` [B, Hkv, n, D] by its observed window queries; None: none."""
-    q = None
-    if policy.evidence == "window_queries" and st.queries is not None:
-        q = st.queries[:, :, st.queries.shape[2] - policy.window:]
+    layer ``i``'s unpadded ``k``, ``v`` [B, Hkv, n, D] by its observed window queries; None:
+    none."""
+    q = scoring.window_queries(st, policy, i) if policy.evidence == "window_queries" else None
     return policy.select(q, k, v, kept, seq_lens=lens)
 
 
@@ -61,7 +60,7 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
         pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, hkv, n)
         kk, vv, idx = k, v, (pos if lens is None else
                              torch.where(pos < lens[:, None, None], pos, -1))
-    elif scores is None and (fused := _fused(st, policy, k, v, kept, lens)) is not None:
+    elif scores is None and (fused := _fused(st, policy, i, k, v, kept, lens)) is not None:
         kk, vv, idx = fused
     else:
         if scores is None and policy.evidence not in scoring.RECORDED:  # scored on the unpadded k

@@ -61,15 +61,12 @@ class SnapKV(Policy):
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
-        if not self.shift:
-            return pool_scores(s, self.kernel_size, self.pool, window=self.window,
-                               seq_lens=seq_lens)
-        # the votes move `shift` positions later (zeros in front), the centred pool of the
-        # longer rows, cut back: position i pools the votes of [i - r - shift, i + r - shift]
         n, shift = s.shape[-1], self.shift
-        lens = None if seq_lens is None else seq_lens + shift
-        pooled = pool_scores(F.pad(s, (shift, 0)), self.kernel_size, self.pool,
-                             window=self.window, seq_lens=lens)
+        if shift:  # the votes move `shift` later (zeros in front): the centred pool of the
+            # longer rows, cut back to n, gives i the votes of [i - r - shift, i + r - shift]
+            s = F.pad(s, (shift, 0))
+            seq_lens = None if seq_lens is None else seq_lens + shift
+        pooled = pool_scores(s, self.kernel_size, self.pool, window=self.window, seq_lens=seq_lens)
         return pooled[..., :n].contiguous()
 
     def select(self, queries, keys, values, kept, *, seq_lens=None):
