@@ -1,6 +1,7 @@
 // The device-specific half of every op: the core entry points of one backend
-// (CPU with ATen's thread pool, or CUDA on the current stream). The ops in
-// ops.h are written once against this interface.
+// (CPU with ATen's thread pool, CUDA on the current stream, or the CUDA kernels
+// under the emulator). The ops in ops.h and decode_ops.h are written once
+// against this interface.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +23,12 @@ class Backend {
   virtual Status compact_kv(const CompactKvParams& p) const = 0;
   virtual size_t snapkv_workspace(const SnapKvParams& p) const = 0;
   virtual Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const = 0;
+  // decode time
+  virtual Status streaming_append(const StreamingAppendParams& p) const = 0;
+  virtual Status rerotate_keys(const RerotateKeysParams& p) const = 0;
+  virtual size_t decode_scores_workspace(const DecodeScoresParams& p) const = 0;
+  virtual Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const = 0;
+  virtual Status h2o_evict(const H2oEvictParams& p) const = 0;
 };
 
 }  // namespace kvprune::torch_ext

@@ -91,7 +91,7 @@ at::Tensor position_view(const at::Tensor& pos, const char* name, const at::Tens
 
 }  // namespace
 
-void streaming_append(const DecodeBackend& be, at::Tensor& k_cache, at::Tensor& v_cache,
+void streaming_append(const Backend& be, at::Tensor& k_cache, at::Tensor& v_cache,
                       at::Tensor& slot_pos, at::Tensor& seq_lens, const at::Tensor& k_new,
                       const at::Tensor& v_new, int64_t n_sink, const std::optional<at::Tensor>& slots) {
   check_cache(k_cache, "k_cache", nullptr, nullptr);
@@ -135,7 +135,7 @@ void streaming_append(const DecodeBackend& be, at::Tensor& k_cache, at::Tensor& 
                       "seq_lens values must be >= 0 and stay below 2^31");
 }
 
-void rerotate_keys(const DecodeBackend& be, at::Tensor& k, const at::Tensor& old_pos,
+void rerotate_keys(const Backend& be, at::Tensor& k, const at::Tensor& old_pos,
                    const at::Tensor& new_pos, double theta, int64_t rotary_dim,
                    const std::string& layout, const std::optional<at::Tensor>& inv_freq) {
   check_tokens(k, "k");
@@ -160,7 +160,7 @@ void rerotate_keys(const DecodeBackend& be, at::Tensor& k, const at::Tensor& old
   check_decode_status(be.rerotate_keys(p), "rerotate_keys", "rope parameters");
 }
 
-at::Tensor decode_scores(const DecodeBackend& be, const at::Tensor& q, const at::Tensor& k_cache,
+at::Tensor decode_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& slot_pos, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& h2o_scores, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& v_cache) {
@@ -222,7 +222,7 @@ at::Tensor decode_scores(const DecodeBackend& be, const at::Tensor& q, const at:
   return out;
 }
 
-at::Tensor h2o_evict(const DecodeBackend& be, at::Tensor& h2o_scores, at::Tensor& slot_pos,
+at::Tensor h2o_evict(const Backend& be, at::Tensor& h2o_scores, at::Tensor& slot_pos,
                      const at::Tensor& seq_lens, int64_t n_sink, int64_t recent, int64_t num) {
   check_scores(h2o_scores, "h2o_scores");
   const int64_t batch = h2o_scores.size(0), heads = h2o_scores.size(1), capacity = h2o_scores.size(2);
@@ -250,7 +250,7 @@ at::Tensor h2o_evict(const DecodeBackend& be, at::Tensor& h2o_scores, at::Tensor
   return next;
 }
 
-void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::Tensor& v,
+void gather_kv_rope_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v, double theta,
                         int64_t rotary_dim, const std::string& layout,
                         const std::optional<at::Tensor>& inv_freq) {
@@ -262,7 +262,7 @@ void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::
   check_decode_status(be.gather_kv(p), "gather_kv", "rope parameters");
 }
 
-std::tuple<at::Tensor, at::Tensor> gather_kv_rope(const DecodeBackend& be, const at::Tensor& k,
+std::tuple<at::Tensor, at::Tensor> gather_kv_rope(const Backend& be, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& idx,
                                                   double theta, int64_t rotary_dim,
                                                   const std::string& layout,

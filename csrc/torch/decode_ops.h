@@ -1,7 +1,7 @@
 // Decode-time eviction ops (StreamingLLM ring cache, RoPE re-rotation, H2O),
-// written once against a DecodeBackend, plus the template that registers them for
-// one dispatch key (decode_ops_cpu.cpp, decode_ops_cuda.cpp). Schemas are defined
-// in decode_ops.cpp with TORCH_LIBRARY_FRAGMENT(kvprune, ...).
+// written once against a Backend, plus the template that registers them for one
+// dispatch key (beside OpsFor, in ops_cpu.cpp and ops_cuda.cpp). Schemas are in
+// registration.cpp.
 #pragma once
 
 #include <optional>
@@ -11,51 +11,40 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "kvprune/kvprune.h"
+#include "torch/backend.h"
 
 namespace kvprune::torch_ext {
 
-class DecodeBackend {
- public:
-  virtual ~DecodeBackend() = default;
-  virtual Status streaming_append(const StreamingAppendParams& p) const = 0;
-  virtual Status rerotate_keys(const RerotateKeysParams& p) const = 0;
-  virtual size_t decode_scores_workspace(const DecodeScoresParams& p) const = 0;
-  virtual Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const = 0;
-  virtual Status h2o_evict(const H2oEvictParams& p) const = 0;
-  virtual Status gather_kv(const GatherKvParams& p) const = 0;
-};
-
 // k_cache, v_cache [B,Hkv,C,D], slot_pos int32 [B,Hkv,C], seq_lens int32 [B] (all mutated);
 // k_new, v_new [B,Hkv,T,D]; slots int32 [B,Hkv,T] or none (ring).
-void streaming_append(const DecodeBackend& be, at::Tensor& k_cache, at::Tensor& v_cache,
+void streaming_append(const Backend& be, at::Tensor& k_cache, at::Tensor& v_cache,
                       at::Tensor& slot_pos, at::Tensor& seq_lens, const at::Tensor& k_new,
                       const at::Tensor& v_new, int64_t n_sink, const std::optional<at::Tensor>& slots);
 // k [B,H,N,D] rotated in place; old_pos, new_pos int32 [B,H,N] (dims 0, 1 may be broadcast).
-void rerotate_keys(const DecodeBackend& be, at::Tensor& k, const at::Tensor& old_pos,
+void rerotate_keys(const Backend& be, at::Tensor& k, const at::Tensor& old_pos,
                    const at::Tensor& new_pos, double theta, int64_t rotary_dim,
                    const std::string& layout, const std::optional<at::Tensor>& inv_freq);
 // q [B,Hq,T,D]; h2o_scores fp32 [B,Hkv,C] accumulated in place -> out [B,Hq,T,D] with
 // v_cache, else an empty tensor.
-at::Tensor decode_scores(const DecodeBackend& be, const at::Tensor& q, const at::Tensor& k_cache,
+at::Tensor decode_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& slot_pos, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& h2o_scores, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& v_cache);
 // -> next_slot int32 [B,Hkv,num]; h2o_scores and slot_pos updated in place.
-at::Tensor h2o_evict(const DecodeBackend& be, at::Tensor& h2o_scores, at::Tensor& slot_pos,
+at::Tensor h2o_evict(const Backend& be, at::Tensor& h2o_scores, at::Tensor& slot_pos,
                      const at::Tensor& seq_lens, int64_t n_sink, int64_t recent, int64_t num);
 // gather_kv with K re-rotated from position idx[t] to position t.
-std::tuple<at::Tensor, at::Tensor> gather_kv_rope(const DecodeBackend& be, const at::Tensor& k,
+std::tuple<at::Tensor, at::Tensor> gather_kv_rope(const Backend& be, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& idx,
                                                   double theta, int64_t rotary_dim,
                                                   const std::string& layout,
                                                   const std::optional<at::Tensor>& inv_freq);
-void gather_kv_rope_out(const DecodeBackend& be, const at::Tensor& k, const at::Tensor& v,
+void gather_kv_rope_out(const Backend& be, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& idx, at::Tensor& out_k, at::Tensor& out_v, double theta,
                         int64_t rotary_dim, const std::string& layout,
                         const std::optional<at::Tensor>& inv_freq);
 
-// Backends::get() returns the DecodeBackend that runs a call (see OpsFor in ops.h).
+// Backends::get() returns the Backend that runs a call (see OpsFor in ops.h).
 template <typename Backends>
 struct DecodeOpsFor {
   static void streaming_append_impl(at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_pos,

@@ -6,7 +6,6 @@
 
 #include "kvprune/emu.h"
 #include "torch/backend.h"
-#include "torch/decode_ops.h"
 
 namespace kvprune::torch_ext {
 
@@ -15,9 +14,8 @@ bool cuda_emulation_enabled();
 // emulator is not compiled in.
 void set_cuda_emulation(bool enabled, const emu::Options& options);
 
-// The CUDA backends' entry points executed by the emulator. A launch that breaks the
+// The CUDA backend's entry points executed by the emulator. A launch that breaks the
 // execution model raises a RuntimeError with the emulator's report.
 const Backend& emulated_cuda_backend();
-const DecodeBackend& emulated_cuda_decode_backend();
 
 }  // namespace kvprune::torch_ext

@@ -1,6 +1,7 @@
 // CPU backend: the core's CPU kernels on ATen's intra-op thread pool.
 #include "torch/aten_executor.h"
 #include "torch/checks.h"
+#include "torch/decode_ops.h"
 #include "torch/emulation.h"
 #include "torch/ops.h"
 
@@ -38,6 +39,19 @@ class CpuBackend final : public Backend {
   Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
     return snapkv_cpu(p, ws, ws_bytes, exec_);
   }
+  Status streaming_append(const StreamingAppendParams& p) const override {
+    return streaming_append_cpu(p, exec_);
+  }
+  Status rerotate_keys(const RerotateKeysParams& p) const override {
+    return rerotate_keys_cpu(p, exec_);
+  }
+  size_t decode_scores_workspace(const DecodeScoresParams& p) const override {
+    return decode_scores_workspace_bytes_cpu(p, exec_);
+  }
+  Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return decode_scores_cpu(p, ws, ws_bytes, exec_);
+  }
+  Status h2o_evict(const H2oEvictParams& p) const override { return h2o_evict_cpu(p, exec_); }
 
  private:
   CpuExecutor exec_;
@@ -54,6 +68,9 @@ struct HostBackends {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CPU, m) { OpsFor<HostBackends>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) {
+  OpsFor<HostBackends>::register_all(m);
+  DecodeOpsFor<HostBackends>::register_all(m);
+}
 
 }  // namespace kvprune::torch_ext

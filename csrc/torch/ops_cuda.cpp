@@ -2,6 +2,7 @@
 // tensors' device (the op bodies set the device with a DeviceGuard).
 #include <c10/cuda/CUDAStream.h>
 
+#include "torch/decode_ops.h"
 #include "torch/ops.h"
 
 namespace kvprune::torch_ext {
@@ -33,6 +34,19 @@ class CudaBackend final : public Backend {
   Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
     return snapkv_cuda(p, ws, ws_bytes, stream());
   }
+  Status streaming_append(const StreamingAppendParams& p) const override {
+    return streaming_append_cuda(p, stream());
+  }
+  Status rerotate_keys(const RerotateKeysParams& p) const override {
+    return rerotate_keys_cuda(p, stream());
+  }
+  size_t decode_scores_workspace(const DecodeScoresParams& p) const override {
+    return decode_scores_workspace_bytes_cuda(p);
+  }
+  Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const override {
+    return decode_scores_cuda(p, ws, ws_bytes, stream());
+  }
+  Status h2o_evict(const H2oEvictParams& p) const override { return h2o_evict_cuda(p, stream()); }
 
  private:
   // Looked up at each call, after the op body's DeviceGuard selected the tensors' device.
@@ -48,6 +62,9 @@ struct CudaBackends {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvprune, CUDA, m) { OpsFor<CudaBackends>::register_all(m); }
+TORCH_LIBRARY_IMPL(kvprune, CUDA, m) {
+  OpsFor<CudaBackends>::register_all(m);
+  DecodeOpsFor<CudaBackends>::register_all(m);
+}
 
 }  // namespace kvprune::torch_ext

@@ -1,4 +1,4 @@
-// The emulated CUDA backends (torch/emulation.h): the core's CUDA entry points as
+// The emulated CUDA backend (torch/emulation.h): the core's CUDA entry points as
 // compiled for the SIMT emulator, run on the host on the tensors' CPU memory.
 #include <c10/util/Exception.h>
 
@@ -49,10 +49,6 @@ class EmulatedCudaBackend final : public Backend {
   Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
     return reported(emu::snapkv_cuda(p, ws, ws_bytes, nullptr), "snapkv");
   }
-};
-
-class EmulatedCudaDecodeBackend final : public DecodeBackend {
- public:
   Status streaming_append(const StreamingAppendParams& p) const override {
     return reported(emu::streaming_append_cuda(p, nullptr), "streaming_append");
   }
@@ -67,9 +63,6 @@ class EmulatedCudaDecodeBackend final : public DecodeBackend {
   }
   Status h2o_evict(const H2oEvictParams& p) const override {
     return reported(emu::h2o_evict_cuda(p, nullptr), "h2o_evict");
-  }
-  Status gather_kv(const GatherKvParams& p) const override {
-    return reported(emu::gather_kv_cuda(p, nullptr), "gather_kv");
   }
 };
 
@@ -90,11 +83,6 @@ void set_cuda_emulation(bool enabled, const emu::Options& options) {
 
 const Backend& emulated_cuda_backend() {
   static const EmulatedCudaBackend backend;
-  return backend;
-}
-
-const DecodeBackend& emulated_cuda_decode_backend() {
-  static const EmulatedCudaDecodeBackend backend;
   return backend;
 }
 

@@ -1,6 +1,6 @@
 // Op schemas of the `kvprune` namespace (torch.ops.kvprune.*), every op's here. Device impls
-// are registered in ops_cpu.cpp / ops_cuda.cpp (decode ops: decode_ops_cpu.cpp /
-// decode_ops_cuda.cpp), fake impls in python/kvprune_cuda/_fake.py.
+// are registered in ops_cpu.cpp / ops_cuda.cpp (one Backend per device), fake impls in
+// python/kvprune_cuda/_fake.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(kvprune, m) {
