@@ -21,6 +21,7 @@ import kvprune_cuda as kp  # noqa: E402
 from helpers import HAS_CUDA  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402
 from kvprune_cuda.hf import reconstruct  # noqa: E402
+from kvprune_cuda.hf import reconstruct  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
 from kvprune_cuda.hf.ragged_layer import RaggedLayer  # noqa: E402
 from kvprune_cuda.hf.reconstruct import RepeatPrompt  # noqa: E402
@@ -38,8 +39,9 @@ def _compress(model, ctx, policy, budget=BUDGET, **kw):
     """compress_context with the test's sizes; budget_scope "layer" unless given."""
     kw.setdefault("repeat_prompt", PROMPT if policy == "kvzip" else None)
     kw.setdefault("budget_scope", "layer")
-    kw.setdefault("kernel_size", 7)  # snapkv: the reference's symmetric pool (_policy_scores)
-    kw.setdefault("pool_shift", 0)
+    if policy != "kvzip":  # snapkv: the reference's symmetric pool (_policy_scores); kvzip
+        kw.setdefault("kernel_size", 7)  # ranks its maxima unpooled by default
+        kw.setdefault("pool_shift", 0)
     return kp.hf.compress_context(model, ctx, policy, budget, n_sink=SINKS, window=W,
                                   chunk_size=kw.pop("chunk_size", CHUNK), **kw)
 
@@ -118,9 +120,9 @@ def _assert_layers(cache, full, idx):
 
 
 def _recording(fold, taken):
-    """Wraps KVCompressor._fold: records whether each call found an lse."""
+    """Wraps ReconstructionScorer.__call__: records whether each call found an lse."""
     def wrapped(self, module, *args):
-        taken.append(module.layer_idx in self._reconstruction["lse"])
+        taken.append(module.layer_idx in self.lse)
         return fold(self, module, *args)
     return wrapped
 
@@ -129,7 +131,7 @@ def _recording(fold, taken):
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("gqa", ["max", "mean"])
 def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softmax, monkeypatch):
-    """KVCompressor.score_reconstruction folds the max attention probability of every
+    """reconstruct.score_reconstruction folds the max attention probability of every
     reconstruction query into each context key, the softmax over the sinks, the chunk and the
     reconstruction keys ("chunk") or over every key the query sees ("all"). With SDPA and
     "all" the lse comes from the model's own attention call (``hf.lse``, one pass of
@@ -155,8 +157,10 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
         taken = []
-        monkeypatch.setattr(hf.KVCompressor, "_fold", _recording(hf.KVCompressor._fold, taken))
-        comp.score_reconstruction(forward_chunks, kp.policy.make(comp.policy, softmax=softmax))
+        monkeypatch.setattr(reconstruct.ReconstructionScorer, "__call__",
+                            _recording(reconstruct.ReconstructionScorer.__call__, taken))
+        reconstruct.score_reconstruction(comp, forward_chunks,
+                                         kp.policy.make(comp.policy, softmax=softmax))
     finally:
         model.config._attn_implementation = saved
         comp.detach()
@@ -187,9 +191,9 @@ def test_chunk_softmax_needs_the_span(model, gen):
         with torch.no_grad():
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
             with pytest.raises(RuntimeError, match="span"):
-                comp.score_reconstruction(no_span)
+                reconstruct.score_reconstruction(comp, no_span)
             with pytest.raises(ValueError, match="kvzip"):
-                comp.score_reconstruction(no_span, kp.policy.make("snapkv"))
+                reconstruct.score_reconstruction(comp, no_span, kp.policy.make("snapkv"))
     finally:
         comp.detach()
     with pytest.raises(ValueError, match="softmax"):
@@ -686,8 +690,8 @@ def test_bad_arguments(model, gen):
     for bad in (ctx[0], ctx.tolist(), ctx[:, :0], ctx[None]):
         with pytest.raises(ValueError, match="context_ids"):
             kp.hf.compress_context(model, bad, "snapkv", BUDGET, n_sink=SINKS, window=W)
-    for bad in (0, -3, True, 8.0):
-        with pytest.raises(ValueError, match="chunk_size"):
+    for bad, error in ((0, ValueError), (-3, ValueError), (True, TypeError), (8.0, TypeError)):
+        with pytest.raises(error, match="chunk_size"):
             _compress(model, ctx, "kvzip", chunk_size=bad)
     with pytest.raises(ValueError, match="budget"):
         _compress(model, ctx, "kvzip", 10)

@@ -16,7 +16,7 @@ those listed before it): ``_compat`` (transformers version shims), ``memory`` (b
 ``fixed_layer`` / ``ragged_layer`` (the compressed cache layers), ``lse`` (the attention's
 log-sum-exp), ``scoring`` (recorded evidence and selection scores), ``select`` (budgets,
 selection, compaction), ``decode_step`` (the decode-time rule), ``reconstruct`` (kvzip's
-repeat prompts), ``hooks`` (:class:`KVCompressor`, :func:`compress`), ``context`` (:func:`score_context`,
+reconstruction and its scoring), ``hooks`` (:class:`KVCompressor`, :func:`compress`), ``context`` (:func:`score_context`,
 :func:`compress_context`).
 """
 

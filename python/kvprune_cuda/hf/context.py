@@ -25,7 +25,7 @@ from kvprune_cuda.hf.fixed_layer import FixedCapacityLayer
 from kvprune_cuda.hf.hooks import KVCompressor
 from kvprune_cuda.hf.memory import layer_tensors, tensor_bytes
 from kvprune_cuda.hf.ragged_layer import RaggedLayer
-from kvprune_cuda.hf.reconstruct import RepeatPrompt, reconstruction_forwards
+from kvprune_cuda.hf.reconstruct import RepeatPrompt, reconstruction_forwards, score_reconstruction
 from kvprune_cuda.hf.scoring import MASKED
 
 
@@ -288,7 +288,7 @@ def score_context(model, context_ids: torch.Tensor,
             comp.base(input_ids=context_ids, use_cache=True, **{cache_name(comp.base): cache})
             t1 = time.perf_counter()
             if kvzip is not None:
-                comp.score_reconstruction(lambda: reconstruction_forwards(
+                score_reconstruction(comp, lambda: reconstruction_forwards(
                     comp.base, cache, prompt, context_ids, kvzip.chunk_size), kvzip)
             t2 = time.perf_counter()
     finally:

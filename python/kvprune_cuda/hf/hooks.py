@@ -31,7 +31,6 @@ from kvprune_cuda import policy as policies
 from kvprune_cuda.hf import scoring, select
 from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
 from kvprune_cuda.hf.decode_step import decode_step
-from kvprune_cuda.hf.lse import attention_lse
 from kvprune_cuda.hf.memory import tensor_bytes
 from kvprune_cuda.hf.scoring import FIXED, LayerState
 
@@ -46,7 +45,7 @@ class KVCompressor:
     rule (:func:`kvprune_cuda.policy.make_decode`). ``observe``: further policies whose evidence is
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
-    reconstruction forwards of :meth:`score_reconstruction`).
+    reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
@@ -80,7 +79,10 @@ class KVCompressor:
             raise ValueError("model: no attention modules with q_proj/k_proj/layer_idx found")
         self._handles: list = []
         self._has_cache_position = takes_cache_position(self.base)
-        self._reconstruction: Optional[dict] = None  # while score_reconstruction runs
+        # while set, takes every uncompressed layer's forward instead of the recording and
+        # compression: (module, LayerState, hidden states, position embeddings, keys) -> None
+        # (kvzip's reconstruction forwards: hf.reconstruct.score_reconstruction)
+        self.intercept: Optional[Callable] = None
         self.reset()
 
     # ----------------------------------------------------------------- state
@@ -177,7 +179,7 @@ class KVCompressor:
         """A cache that was compressed, or whose decode evidence is recorded, cannot be
         rolled back: raises if it is shorter or longer than the last forward left it
         (cropped) or if the new tokens do not start where that forward ended."""
-        if (not self.compressed and self.decode is None) or self._reconstruction is not None:
+        if (not self.compressed and self.decode is None) or self.intercept is not None:
             return
         start = (int(cache_position[0]) if isinstance(cache_position, torch.Tensor)
                  and cache_position.numel() else self.seen)
@@ -238,8 +240,8 @@ class KVCompressor:
             self._decode_step(module, st, cache, i, hs, kwargs)
             return output
         k = cache_kv(cache, i)[0]
-        if self._reconstruction is not None:
-            self._fold(module, st, hs, kwargs["position_embeddings"], k)
+        if self.intercept is not None:
+            self.intercept(module, st, hs, kwargs["position_embeddings"], k)
             return output
         n_q = max(p.observed_queries(q_len) for p in self.observed)
         if n_q:
@@ -280,43 +282,6 @@ class KVCompressor:
                 pad = scoring.left_padding(self.prefill_valid, k.shape[2])
                 scoring.accumulate_h2o(st, p, qn, k, pad)
                 break
-
-    # ----------------------------------------------------------------- kvzip
-    def score_reconstruction(self, forward_chunks: Callable[[], Iterator[tuple[int, int]]],
-                             kvzip: Optional["policies.KVzip"] = None) -> None:
-        """KVzip scoring of the uncompressed context the cache holds (``self.seen`` tokens):
-        ``forward_chunks()`` is a generator that runs the teacher-forced reconstruction
-        forwards, yielding before each the span ``(start, end)`` of the context positions it
-        reconstructs, and crops the cache back to the context after each. Per layer, each
-        context key's score is the largest attention probability any reconstruction query
-        gives it (``kvzip.gqa`` over a KV group; ``kvzip.softmax``: the keys it is normalised
-        over); ``kvzip`` defaults to the compressor's policy."""
-        kvzip = kvzip or self.policy
-        if not isinstance(kvzip, policies.KVzip):
-            raise ValueError(f"kvzip: expected a kp.policy.KVzip, got {kvzip!r}")
-        n = self.seen
-        if scoring.left_padding(self.prefill_valid, n) is not None:
-            raise ValueError("context_ids: kvzip scoring needs rows without padding")
-        snap = self.snapshot()
-        self._reconstruction = {"n": n, "policy": kvzip, "span": None, "lse": {}}
-        try:
-            with attention_lse(self.model, self._reconstruction["lse"]):
-                for span in forward_chunks():
-                    self._reconstruction["span"] = span
-        finally:
-            self._reconstruction = None
-            scores = [s.kvzip for s in self.layers]
-            self.restore(snap)
-        for st, s in zip(self.layers, scores):
-            st.kvzip = s
-
-    def _fold(self, module, st: LayerState, hs, position_embeddings, k) -> None:
-        rec = self._reconstruction
-        qn, lse = rec["lse"].pop(module.layer_idx, (None, None))
-        if qn is None:
-            qn = scoring.post_rope_queries(module, hs, *position_embeddings)
-        scoring.fold_reconstruction(st, rec["policy"], qn, lse, k, rec["n"], rec["span"],
-                                    getattr(module, "scaling", None))
 
     # ----------------------------------------------------------------- compression
     def selection_scores(self, cache, i: int, policy: Optional["policies.Policy"] = None

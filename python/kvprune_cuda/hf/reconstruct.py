@@ -1,15 +1,19 @@
-"""kvzip's reconstruction: the "repeat the previous context" prompts (:class:`RepeatPrompt`) and
+"""kvzip's reconstruction: the "repeat the previous context" prompts (:class:`RepeatPrompt`),
 the teacher-forced forwards that feed them, chunk by chunk, on the uncompressed context cache
-(:func:`reconstruction_forwards`)."""
+(:func:`reconstruction_forwards`), and the scoring that folds their attention into each
+context key while they run (:func:`score_reconstruction`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from kvprune_cuda import policy as policies
 from kvprune_cuda.hf._compat import cache_kv, cache_name, num_layers, set_cache_kv
+from kvprune_cuda.hf.lse import attention_lse
+from kvprune_cuda.hf.scoring import fold_reconstruction, left_padding, post_rope_queries
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -85,7 +89,7 @@ def reconstruction_forwards(base, cache, prompt: RepeatPrompt, context_ids: torc
     forward, and crops the cache back to the context after each (the reconstruction tokens'
     own keys are dropped; after the last, the context's K/V are copied out of the buffer that
     also held them, which the cache would otherwise keep alive). For
-    :meth:`KVCompressor.score_reconstruction`."""
+    :func:`score_reconstruction`."""
     n = context_ids.shape[1]
     chunks = prompt.chunks(context_ids, chunk_size)
     for c, (ids, span) in enumerate(zip(chunks, prompt.spans(n, chunk_size))):
@@ -96,3 +100,53 @@ def reconstruction_forwards(base, cache, prompt: RepeatPrompt, context_ids: torc
             k, v = cache_kv(cache, i)
             k, v = k[:, :, :n], v[:, :, :n]
             set_cache_kv(cache, i, k.clone() if last else k, v.clone() if last else v)
+
+
+class ReconstructionScorer:
+    """What the hooks do with each layer's reconstruction forward (``KVCompressor.intercept``
+    while :func:`score_reconstruction` runs): fold the chunk's maxima into the layer's
+    ``LayerState.kvzip`` (:func:`~kvprune_cuda.hf.scoring.fold_reconstruction`)."""
+
+    def __init__(self, kvzip: "policies.KVzip", n: int) -> None:
+        self.kvzip, self.n = kvzip, n
+        self.span: Optional[tuple[int, int]] = None  # the running forward's context span
+        self.lse: dict = {}  # layer -> (queries, lse) as the model's attention gave them (hf.lse)
+
+    def __call__(self, module, st, hs: torch.Tensor, position_embeddings, k: torch.Tensor) -> None:
+        qn, lse = self.lse.pop(module.layer_idx, (None, None))
+        if qn is None:
+            qn = post_rope_queries(module, hs, *position_embeddings)
+        fold_reconstruction(st, self.kvzip, qn, lse, k, self.n, self.span,
+                            getattr(module, "scaling", None))
+
+
+def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, int]]],
+                         kvzip: Optional["policies.KVzip"] = None) -> None:
+    """KVzip scoring of the uncompressed context that the cache of ``comp`` (an attached
+    :class:`~kvprune_cuda.hf.KVCompressor`) holds (``comp.seen`` tokens): ``forward_chunks()``
+    is a generator that runs the teacher-forced reconstruction forwards, yielding before each
+    the span ``(start, end)`` of the context positions it reconstructs, and crops the cache
+    back to the context after each (:func:`reconstruction_forwards`). Per layer, each context
+    key's score is the largest attention probability any reconstruction query gives it
+    (``kvzip.gqa`` over a KV group; ``kvzip.softmax``: the keys it is normalised over), left
+    in ``comp.layers[i].kvzip``; ``kvzip`` defaults to the compressor's policy. The rest of
+    the compressor's state is as before."""
+    kvzip = kvzip or comp.policy
+    if not isinstance(kvzip, policies.KVzip):
+        raise ValueError(f"kvzip: expected a kp.policy.KVzip, got {kvzip!r}")
+    n = comp.seen
+    if left_padding(comp.prefill_valid, n) is not None:
+        raise ValueError("context_ids: kvzip scoring needs rows without padding")
+    snap = comp.snapshot()
+    scorer = ReconstructionScorer(kvzip, n)
+    comp.intercept = scorer
+    try:
+        with attention_lse(comp.model, scorer.lse):
+            for span in forward_chunks():
+                scorer.span = span
+    finally:
+        comp.intercept = None
+        scores = [s.kvzip for s in comp.layers]
+        comp.restore(snap)
+    for st, s in zip(comp.layers, scores):
+        st.kvzip = s

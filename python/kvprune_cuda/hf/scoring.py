@@ -137,20 +137,27 @@ def window_queries(st: LayerState, policy: "policies.Policy", layer: int) -> tor
 RECORDED = ("attention", "reconstruction")  # evidence whose scores the forwards accumulated
 
 
+def recorded_evidence(st: LayerState, policy: "policies.Policy", layer: int) -> torch.Tensor:
+    """fp32 [B, Hkv, n]: the evidence ``policy`` recorded over the forwards (one of
+    :data:`RECORDED`: h2o's accumulated attention, kvzip's reconstruction maxima), in the
+    cache's own layout."""
+    recorded = dict(zip(RECORDED, (st.h2o, st.kvzip)))[policy.evidence]
+    if recorded is None:
+        raise RuntimeError(f"policy: {policy.name!r} has no {policy.evidence} scores recorded "
+                           f"for layer {layer} (attention: not observed by the compressor; "
+                           "reconstruction: none run)")
+    return recorded
+
+
 def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor, layer: int,
                      seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 [B, Hkv, n]: the scores ``policy`` ranks a layer's uncompressed keys by: the window
     queries' pooled vote (snapkv), recency (streaming), computed now from ``k`` [B, Hkv, n, D]
-    (rows valid up to ``seq_lens``, right padding; None: all); the accumulated attention (h2o)
-    or the reconstruction maxima (kvzip): evidence :data:`RECORDED` over the forwards, in the
+    (rows valid up to ``seq_lens``, right padding; None: all); from the evidence
+    :data:`RECORDED` over the forwards (h2o, kvzip: :meth:`Policy.rank_recorded`), in the
     cache's own layout (``k`` unused)."""
     if policy.evidence == "window_queries":
         return policy.score(window_queries(st, policy, layer), k, seq_lens=seq_lens)
-    recorded = dict(zip(RECORDED, (st.h2o, st.kvzip)))
-    if policy.evidence in recorded:
-        if recorded[policy.evidence] is None:
-            raise RuntimeError(f"policy: {policy.name!r} has no {policy.evidence} scores recorded "
-                               f"for layer {layer} (attention: not observed by the compressor; "
-                               "reconstruction: none run)")
-        return recorded[policy.evidence]
+    if policy.evidence in RECORDED:
+        return policy.rank_recorded(recorded_evidence(st, policy, layer))
     return policy.score(None, k, seq_lens=seq_lens)

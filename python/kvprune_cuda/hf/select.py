@@ -73,7 +73,7 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
         kk, vv = kp.gather_kv(k, v, idx)
     h2o = None
     if policy.evidence == "attention":  # the kept slots' accumulated attention goes along
-        s = scoring.selection_scores(st, policy, k, i)
+        s = scoring.recorded_evidence(st, policy, i)
         s = s if pad is None else scoring.shift_rows(s, pad, 2)
         h2o = torch.gather(s, 2, idx.clamp_min(0).long()) * (idx >= 0)
     st.drop_evidence()
