@@ -15,7 +15,9 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
 * ``sv-qmax-k31``: each query head's largest probability over the window instead of the sum;
 * ``sv-gqamax-k31``: the KV group's largest query head instead of the mean;
 * ``sv-w16-k31`` / ``sv-w64-k31``: a window of 16 / 64 queries (run with ``--window 64`` so
-  64 are recorded; every setting then names its own window).
+  64 are recorded; every setting then names its own window);
+* ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
+  maxima max-pooled over K positions (shifted S later) before ranking.
 
     .venv/bin/python bench/ruler_variants.py --tokens 4096 --samples 2 --budgets 0.16 --dtype float32 \\
         --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k/variants.json
@@ -123,8 +125,21 @@ VARIANTS = {
     "sv-w16-k31": ("snapkv", {"kernel_size": 31, "window": 16}),
     "sv-w64-k31": ("snapkv", {"kernel_size": 31, "window": 64}),
 }
+# query-agnostic: kvzip's reconstruction maxima pooled before they are ranked (the library's
+# KVzip(kernel_size, pool_shift)); every variant shares the sample's one reconstruction
+KVZIP_VARIANTS = {
+    "kz-head-p7": ("head", {"kernel_size": 7}),
+    "kz-head-p15": ("head", {"kernel_size": 15}),
+    "kz-head-p31": ("head", {"kernel_size": 31}),
+    "kz-head-p49s16": ("head", {"kernel_size": 49, "pool_shift": 16}),
+    "kz-head-p15s4": ("head", {"kernel_size": 15, "pool_shift": 4}),
+    "kz-global-p15": ("global", {"kernel_size": 15}),
+}
 for _name, (_policy, _options) in VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, None)
+    er.OPTIONS[_name] = _options
+for _name, (_scope, _options) in KVZIP_VARIANTS.items():
+    er.SETTINGS[_name] = ("agnostic", "kvzip", _scope)
     er.OPTIONS[_name] = _options
 for _name in ("snapkv-aware", "snapkv-aware-k15", "snapkv-aware-k31"):
     er.OPTIONS[_name] = {**er.OPTIONS.get(_name, {}), "window": W}

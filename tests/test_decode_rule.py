@@ -42,17 +42,17 @@ def test_pinned_prefix_and_multi_token_forwards():
     assert rule.compresses(0, 1, 100) is None
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(decode="ring", max_held=64, interval=32), "decode"),
-    (dict(decode="snapkv", max_held=20, interval=32), "max_held"),
-    (dict(decode="snapkv", max_held=0.5, interval=32), "max_held"),
-    (dict(decode="snapkv", max_held=64, interval=8), "interval"),   # < window
-    (dict(decode="streaming", max_held=64, interval=0), "interval"),
-    (dict(decode="streaming", max_held=64, interval=None), "interval"),
-    (dict(decode=None, max_held=64, interval=32), "decode"),
+@pytest.mark.parametrize("kwargs, name, error", [
+    (dict(decode="ring", max_held=64, interval=32), "decode", ValueError),
+    (dict(decode="snapkv", max_held=20, interval=32), "max_held", ValueError),
+    (dict(decode="snapkv", max_held=0.5, interval=32), "max_held", TypeError),
+    (dict(decode="snapkv", max_held=64, interval=8), "interval", ValueError),   # < window
+    (dict(decode="streaming", max_held=64, interval=0), "interval", ValueError),
+    (dict(decode="streaming", max_held=64, interval=None), "interval", TypeError),
+    (dict(decode=None, max_held=64, interval=32), "decode", ValueError),
 ])
-def test_bad_arguments_are_named(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_bad_arguments_are_named(kwargs, name, error):
+    with pytest.raises(error, match=name):
         policies.make_decode(**kwargs, n_sink=4, window=32)
 
 

@@ -1,4 +1,5 @@
-"""kp.policy.SnapKV's forward-shifted pool, by hand; the fused selection it takes only unshifted."""
+"""kp.policy.SnapKV's forward-shifted pool, by hand; the fused selection it takes only unshifted;
+kp.policy.KVzip's optional pool of its recorded maxima."""
 
 import pytest
 import torch
@@ -55,3 +56,18 @@ def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
     # left None: 16 with the default kernel (49), else 0 (the centred pools of before)
     assert [kp.policy.SnapKV(kernel_size=n).shift for n in (1, 7, 31, 49)] == [0, 0, 0, 16]
     assert kp.policy.SnapKV().kernel_size == 49 and kp.policy.SnapKV().shift == 16
+
+
+def test_kvzip_ranks_its_maxima_as_recorded_unless_it_pools_them():
+    recorded = torch.tensor([0.1, 0.2, 0.9, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.8]).view(1, 1, -1)
+    assert kp.policy.KVzip().rank_recorded(recorded) is recorded  # kernel_size 1: unpooled
+    # kernel 3 (r = 1), shift 1, window 0: token i takes max(s[i - 2], s[i - 1], s[i])
+    got = kp.policy.KVzip(kernel_size=3, pool_shift=1).rank_recorded(recorded)[0, 0].tolist()
+    assert got == pytest.approx([0.1, 0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.8])
+    # centred: max(s[i - 1], s[i], s[i + 1])
+    got = kp.policy.KVzip(kernel_size=3).rank_recorded(recorded)[0, 0].tolist()
+    assert got == pytest.approx([0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.8, 0.8])
+    with pytest.raises(ValueError, match="pool_shift"):
+        kp.policy.KVzip(kernel_size=3, pool_shift=2)
+    with pytest.raises(TypeError, match="kernel_size"):
+        kp.policy.KVzip(kernel_size=3.0)

@@ -1,15 +1,19 @@
-"""Type checks of the public ops' scalar arguments, so a wrong type raises a TypeError
-naming the argument (the op schema would raise a bare RuntimeError)."""
+"""Checks of scalar arguments, the one place they are written (the public ops, the paged
+cache, the policies' options): a wrong type raises a TypeError naming the argument (an op
+schema would raise a bare RuntimeError), a value out of range or not among the choices a
+ValueError naming it."""
 
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 
 
-def check_int(name: str, value) -> None:
-    """An integer (Python int, numpy integer, or a SymInt under torch.compile), not a bool."""
+def check_int(name: str, value, least: Optional[int] = None) -> None:
+    """An integer (Python int, numpy integer, or a SymInt under torch.compile), not a bool;
+    ``>= least`` unless None."""
     if isinstance(value, torch.SymInt):
         return
     if isinstance(value, bool):
@@ -18,6 +22,8 @@ def check_int(name: str, value) -> None:
         operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def check_str(name: str, value, choices: tuple[str, ...]) -> None:

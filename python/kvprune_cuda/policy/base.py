@@ -9,6 +9,8 @@ from typing import ClassVar, Optional, Union
 
 import torch
 
+from kvprune_cuda._args import check_int
+
 SCOPES = ("layer", "global", "head")  # how a budget is shared: per layer, over layers, per head
 GQA = ("mean", "max", "sum")
 # Policy.evidence: what its score reads besides the keys
@@ -32,16 +34,12 @@ def resolve_budget(budget: Union[int, float], n: int) -> int:
     return int(budget)
 
 
-def check_int(name: str, value, least: int) -> None:
-    """A policy option: an int >= ``least`` (ValueError naming ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
-
-
-def check_choice(name: str, value, choices: tuple) -> None:
-    """A policy option: one of ``choices`` (ValueError naming ``name``)."""
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+def check_shift(shift, kernel_size: int) -> None:
+    """A pool's ``pool_shift``: an int in [0, kernel_size // 2] (ValueError naming it)."""
+    check_int("pool_shift", shift, 0)
+    if shift > kernel_size // 2:
+        raise ValueError(f"pool_shift: {shift} > kernel_size // 2 = {kernel_size // 2} (a "
+                         "token's own score would leave its pool)")
 
 
 @dataclass(frozen=True)
@@ -118,6 +116,12 @@ class Policy:
         """fp32 ``[B, Hkv, n]`` scores of ``keys`` [B, Hkv, n, D] from the post-RoPE
         ``queries`` [B, Hq, q, D] the policy observed."""
         raise NotImplementedError(f"policy {self.name!r} does not score keys")
+
+    def rank_recorded(self, recorded: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[B, Hkv, n]``: the scores ranked from the evidence an integration recorded
+        over forwards (``recorded``, fp32 ``[B, Hkv, n]``: the "attention" sums, the
+        "reconstruction" maxima); as recorded unless a policy pools or reweighs them."""
+        return recorded
 
     def select(self, queries: Optional[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
                kept: int, *, seq_lens: Optional[torch.Tensor] = None):

@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from kvprune_cuda.policy.base import Options, Policy, check_choice, check_int
+from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda.policy.base import Options, Policy
 from kvprune_cuda.policy.registry import make
 
 DECODE_POLICIES = ("streaming", "snapkv", "h2o")
@@ -37,7 +38,7 @@ class DecodeRule:
     interval: int
 
     def __post_init__(self) -> None:
-        check_choice("decode", self.policy.name, DECODE_POLICIES)
+        check_str("decode", self.policy.name, DECODE_POLICIES)
         check_int("interval", self.interval, 1)
         if self.policy.evidence == "window_queries" and self.interval < self.policy.window:
             raise ValueError(f"interval: {self.interval} < window {self.policy.window}; snapkv "
@@ -91,11 +92,9 @@ def make_decode(decode: Optional[str], max_held: Optional[int], interval: Option
         if max_held is not None or interval is not None:
             raise ValueError("decode: max_held / interval given without a decode policy")
         return None
-    check_choice("decode", decode, DECODE_POLICIES)
-    if isinstance(max_held, bool) or not isinstance(max_held, int):
-        raise ValueError(f"max_held: expected a token count, got {max_held!r}")
-    if isinstance(interval, bool) or not isinstance(interval, int):
-        raise ValueError(f"interval: expected a token count, got {interval!r}")
+    check_str("decode", decode, DECODE_POLICIES)
+    check_int("max_held", max_held)
+    check_int("interval", interval)
     if prompt is not None:  # the prompt's fields win
         own = {f.name for f in fields(prompt)}
         options = Options(**{f.name: getattr(prompt if f.name in own else options, f.name, None)

@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from kvprune_cuda._ops import window_scores
-from kvprune_cuda.policy.base import GQA, Policy, check_choice
+from kvprune_cuda._args import check_str
+from kvprune_cuda.policy.base import GQA, Policy
 from kvprune_cuda.policy.registry import register
 
 
@@ -26,7 +27,7 @@ class H2O(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("gqa", self.gqa, GQA)
+        check_str("gqa", self.gqa, GQA)
 
     @property
     def min_keep(self) -> int:

@@ -8,7 +8,9 @@ from typing import ClassVar, Optional
 import torch
 
 from kvprune_cuda._ops import window_scores
-from kvprune_cuda.policy.base import GQA, Policy, check_choice, check_int
+from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda.policy.base import GQA, Policy, check_shift
+from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.registry import register
 
 
@@ -20,7 +22,10 @@ class KVzip(Policy):
     forward), the query heads of a KV group combined by ``gqa``; ``softmax``: the keys a
     probability is normalised over ("chunk": the sinks, the chunk and the reconstruction
     tokens, KVzip's own; "all": every key the query sees). Protects only the sinks by
-    default (``window=0``), as KVzip does. Only kp.hf.compress_context runs it."""
+    default (``window=0``), as KVzip does. ``kernel_size`` > 1 pools the maxima before they
+    are ranked, as SnapKV pools its votes (``pool``, ``pool_shift``:
+    :func:`~kvprune_cuda.policy.pooling.shifted_pool`); 1, the default, ranks them as they
+    are. Only kp.hf.compress_context runs it."""
 
     name: ClassVar[str] = "kvzip"
     evidence: ClassVar[str] = "reconstruction"
@@ -29,12 +34,23 @@ class KVzip(Policy):
     gqa: str = "max"
     softmax: str = "chunk"
     chunk_size: int = 2048
+    kernel_size: int = 1
+    pool: str = "max"
+    pool_shift: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("gqa", self.gqa, GQA)
-        check_choice("softmax", self.softmax, ("chunk", "all"))
+        check_str("gqa", self.gqa, GQA)
+        check_str("softmax", self.softmax, ("chunk", "all"))
         check_int("chunk_size", self.chunk_size, 1)
+        check_int("kernel_size", self.kernel_size, 1)
+        check_str("pool", self.pool, ("max", "avg"))
+        check_shift(self.pool_shift, self.kernel_size)
+
+    def rank_recorded(self, recorded: torch.Tensor) -> torch.Tensor:
+        if self.kernel_size == 1:
+            return recorded
+        return shifted_pool(recorded, self.kernel_size, self.pool, self.pool_shift, self.window)
 
     def score(self, queries, keys, *, scale=None, seq_lens=None, lse=None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:

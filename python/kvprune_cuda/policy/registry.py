@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Optional, Union
 
-from kvprune_cuda.policy.base import EVIDENCE, Options, Policy, check_choice
+from kvprune_cuda._args import check_str
+from kvprune_cuda.policy.base import EVIDENCE, Options, Policy
 
 _REGISTRY: dict = {}  # name -> Policy class: the built-ins and every registered one
 
@@ -19,7 +20,7 @@ def register(cls: type) -> type:
         raise ValueError(f"cls: expected a subclass of kp.policy.Policy, got {cls!r}")
     if not cls.name or not isinstance(cls.name, str):
         raise ValueError(f"cls: {cls.__name__} needs a class attribute name (a non-empty str)")
-    check_choice(f"cls: {cls.__name__}.evidence", cls.evidence, EVIDENCE)
+    check_str(f"cls: {cls.__name__}.evidence", cls.evidence, EVIDENCE)
     held = _REGISTRY.get(cls.name)
     if held is not None and (held.__module__, held.__qualname__) != (cls.__module__,
                                                                       cls.__qualname__):
@@ -41,7 +42,7 @@ def make(policy: Union[str, Policy], options: Optional[Options] = None, **given)
     if isinstance(policy, Policy):
         cls, base = type(policy), asdict(policy)
     else:
-        check_choice("policy", policy, registered())
+        check_str("policy", policy, registered())
         cls, base = _REGISTRY[policy], {}
     names = {f.name for f in fields(cls)}
     return cls(**{**base, **{k: v for k, v in given.items() if k in names}})

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
-import torch.nn.functional as F
 
-from kvprune_cuda._ops import pool_scores, snapkv, window_scores
-from kvprune_cuda.policy.base import GQA, Policy, check_choice, check_int
+from kvprune_cuda._ops import snapkv, window_scores
+from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda.policy.base import GQA, Policy, check_shift
+from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.registry import register
 
 DEFAULT_KERNEL = 49  # the pool's width and shift by default: a pool over [i - 40, i + 8]
@@ -42,14 +43,10 @@ class SnapKV(Policy):
         if self.window < 1:
             raise ValueError("window: snapkv votes with the last window queries; needs >= 1")
         check_int("kernel_size", self.kernel_size, 1)
-        check_choice("pool", self.pool, ("max", "avg"))
-        check_choice("gqa", self.gqa, GQA)
+        check_str("pool", self.pool, ("max", "avg"))
+        check_str("gqa", self.gqa, GQA)
         if self.pool_shift is not None:
-            check_int("pool_shift", self.pool_shift, 0)
-            if self.pool_shift > self.kernel_size // 2:
-                raise ValueError(f"pool_shift: {self.pool_shift} > kernel_size // 2 = "
-                                 f"{self.kernel_size // 2} (a token's own vote would leave "
-                                 "its pool)")
+            check_shift(self.pool_shift, self.kernel_size)
 
     @property
     def shift(self) -> int:
@@ -61,13 +58,7 @@ class SnapKV(Policy):
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
-        n, shift = s.shape[-1], self.shift
-        if shift:  # the votes move `shift` later (zeros in front): the centred pool of the
-            # longer rows, cut back to n, gives i the votes of [i - r - shift, i + r - shift]
-            s = F.pad(s, (shift, 0))
-            seq_lens = None if seq_lens is None else seq_lens + shift
-        pooled = pool_scores(s, self.kernel_size, self.pool, window=self.window, seq_lens=seq_lens)
-        return pooled[..., :n].contiguous()
+        return shifted_pool(s, self.kernel_size, self.pool, self.shift, self.window, seq_lens)
 
     def select(self, queries, keys, values, kept, *, seq_lens=None):
         """The fused ``kp.snapkv`` (unshifted pools, and only if ``score`` is this class's)."""
