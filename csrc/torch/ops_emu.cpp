@@ -19,51 +19,20 @@ Status reported(Status status, const char* op) {
 
 class EmulatedCudaBackend final : public Backend {
  public:
-  size_t window_scores_workspace(const WindowScoresParams& p) const override {
-    return emu::window_scores_workspace_bytes_cuda(p);
+#define KVPRUNE_OP(name, Params)                                                     \
+  Status name(const Params& p) const override {                                      \
+    return reported(emu::name##_cuda(p, nullptr), #name);                            \
   }
-  Status window_scores(const WindowScoresParams& p, void* ws, size_t ws_bytes) const override {
-    return reported(emu::window_scores_cuda(p, ws, ws_bytes, nullptr), "window_scores");
+#define KVPRUNE_OP_WS(name, Params)                                                  \
+  size_t name##_workspace(const Params& p) const override {                          \
+    return emu::name##_workspace_bytes_cuda(p);                                      \
+  }                                                                                  \
+  Status name(const Params& p, void* ws, size_t ws_bytes) const override {           \
+    return reported(emu::name##_cuda(p, ws, ws_bytes, nullptr), #name);              \
   }
-  Status pool_scores(const PoolScoresParams& p) const override {
-    return reported(emu::pool_scores_cuda(p, nullptr), "pool_scores");
-  }
-  size_t select_keep_workspace(const SelectKeepParams& p) const override {
-    return emu::select_keep_workspace_bytes_cuda(p);
-  }
-  Status select_keep(const SelectKeepParams& p, void* ws, size_t ws_bytes) const override {
-    return reported(emu::select_keep_cuda(p, ws, ws_bytes, nullptr), "select_keep");
-  }
-  Status streaming_keep(const StreamingKeepParams& p) const override {
-    return reported(emu::streaming_keep_cuda(p, nullptr), "streaming");
-  }
-  Status gather_kv(const GatherKvParams& p) const override {
-    return reported(emu::gather_kv_cuda(p, nullptr), "gather_kv");
-  }
-  Status compact_kv(const CompactKvParams& p) const override {
-    return reported(emu::compact_kv_cuda(p, nullptr), "paged.compact");
-  }
-  size_t snapkv_workspace(const SnapKvParams& p) const override {
-    return emu::snapkv_workspace_bytes_cuda(p);
-  }
-  Status snapkv(const SnapKvParams& p, void* ws, size_t ws_bytes) const override {
-    return reported(emu::snapkv_cuda(p, ws, ws_bytes, nullptr), "snapkv");
-  }
-  Status streaming_append(const StreamingAppendParams& p) const override {
-    return reported(emu::streaming_append_cuda(p, nullptr), "streaming_append");
-  }
-  Status rerotate_keys(const RerotateKeysParams& p) const override {
-    return reported(emu::rerotate_keys_cuda(p, nullptr), "rerotate_keys");
-  }
-  size_t decode_scores_workspace(const DecodeScoresParams& p) const override {
-    return emu::decode_scores_workspace_bytes_cuda(p);
-  }
-  Status decode_scores(const DecodeScoresParams& p, void* ws, size_t ws_bytes) const override {
-    return reported(emu::decode_scores_cuda(p, ws, ws_bytes, nullptr), "decode_scores");
-  }
-  Status h2o_evict(const H2oEvictParams& p) const override {
-    return reported(emu::h2o_evict_cuda(p, nullptr), "h2o_evict");
-  }
+#include "kvprune/entry_points.def"
+#undef KVPRUNE_OP
+#undef KVPRUNE_OP_WS
 };
 
 }  // namespace
