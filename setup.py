@@ -3,7 +3,7 @@
     pip install --no-build-isolation --no-deps .
 
 Environment:
-    KVPRUNE_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a")
+    KVPRUNE_CUDA_ARCHS   CUDA architectures, CMake syntax (default "80;90a;100;120")
     KVPRUNE_ENABLE_CUDA  0 to build the CPU backend only even where nvcc exists
     KVPRUNE_BUILD_DIR    build directory (default: a per-interpreter folder under build/)
     MAX_JOBS             parallel compile jobs (default: CPU count)

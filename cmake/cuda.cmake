@@ -2,7 +2,10 @@
 #
 # CUDA is enabled when nvcc is found (a GPU is never required) unless
 # KVPRUNE_ENABLE_CUDA=OFF. The architecture list comes from the environment
-# variable KVPRUNE_CUDA_ARCHS (CMake syntax, e.g. "80;90a"), default "80;90a".
+# variable KVPRUNE_CUDA_ARCHS (CMake syntax, e.g. "80;90a"), default "80;90a;100;120":
+# Ampere (and, by its PTX, any later GPU), Hopper, Blackwell data-centre (sm_100, with PTX for
+# sm_103) and Blackwell consumer / workstation (sm_120). No kernel uses an arch-specific
+# instruction, so the Blackwell images are plain sm_100 / sm_120.
 # Sets KVPRUNE_WITH_CUDA and KVPRUNE_CUDA_ARCHS_STRING.
 
 set(KVPRUNE_WITH_CUDA OFF)
@@ -22,7 +25,7 @@ endif()
 if(DEFINED ENV{KVPRUNE_CUDA_ARCHS} AND NOT "$ENV{KVPRUNE_CUDA_ARCHS}" STREQUAL "")
   set(CMAKE_CUDA_ARCHITECTURES "$ENV{KVPRUNE_CUDA_ARCHS}")
 elseif(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES "80;90a")
+  set(CMAKE_CUDA_ARCHITECTURES "80;90a;100;120")
 endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)

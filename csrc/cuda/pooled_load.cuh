@@ -1,6 +1,6 @@
 // Pooled score of one position, read straight from global memory (DESIGN §1,
-// stage 3). pool_scores and the fused pooling of select_keep both use it, so the
-// rule exists once on the GPU:
+// stage 3): the rule of pool_scores on the GPU (select_keep pools through
+// pool_scores too):
 //   max: max of row[i], i in [j-r, j+r] ∩ [0, prefix)       (padding never wins)
 //   avg: sum of row[i], i in [j-r, j+r] ∩ [0, prefix), / kernel_size
 // with r = kernel_size / 2. Neighbouring threads read neighbouring addresses, so

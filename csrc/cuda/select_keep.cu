@@ -18,7 +18,9 @@
 // Every CTA replays the digit choices from the finished histograms, so no CTA
 // waits for another and the result does not depend on scheduling. Nothing
 // persists between calls besides what step 1 resets: CUDA-graph replayable.
-// Pooling (kernel_size > 1) is recomputed from the raw scores in every pass.
+// Pooling (kernel_size > 1) runs once first, pool_scores into the workspace
+// (step 0), and every pass reads the pooled row: one read of a score per pass
+// instead of kernel_size.
 
 #include <algorithm>
 #include <cstdint>
@@ -26,8 +28,8 @@
 #include "cuda/simt.cuh"
 #include "core/validate.h"
 #include "cuda/common.cuh"
-#include "cuda/pooled_load.cuh"
 #include "cuda/radix_select.cuh"
+#include "kvprune/emu.h"  // the emulator build calls its own pool_scores_cuda
 #include "kvprune/kvprune.h"
 
 KVPRUNE_CUDA_NAMESPACE_BEGIN
@@ -52,6 +54,8 @@ struct SelectPlan {
   int64_t chunk_len = 0;      // candidates per CTA
   size_t hist_bytes = 0;      // uint32 [rows, kRadixPasses, kRadixBins]
   size_t counts_bytes = 0;    // uint64 [rows, ctas_per_row]
+  size_t pooled_bytes = 0;    // fp32 [rows, length]: the pooled scores (kernel_size > 1)
+  size_t bytes() const { return hist_bytes + counts_bytes + pooled_bytes; }
 };
 
 SelectPlan plan_select(const SelectKeepParams& p) {
@@ -68,12 +72,14 @@ SelectPlan plan_select(const SelectKeepParams& p) {
   if (plan.may_select) {
     plan.hist_bytes = static_cast<size_t>(plan.rows) * kRadixPasses * kRadixBins * sizeof(uint32_t);
     plan.counts_bytes = static_cast<size_t>(plan.rows * plan.ctas_per_row) * sizeof(uint64_t);
+    if (p.pool_kernel_size > 1)
+      plan.pooled_bytes = static_cast<size_t>(plan.rows * p.length) * sizeof(float);
   }
   return plan;
 }
 
 struct SelectArgs {
-  const float* scores;             // [rows, length]
+  const float* scores;             // [rows, length], pooled already (step 0)
   const int32_t* seq_lens;         // [batch] or null
   int32_t* keep_idx;               // out: [rows, budget]
   uint32_t* hist;                  // workspace: [rows, kRadixPasses, kRadixBins]
@@ -83,8 +89,6 @@ struct SelectArgs {
   int64_t budget;
   int64_t n_sink;
   int64_t window;
-  int64_t kernel_size;
-  PoolMode mode;
   uint32_t ctas_per_row;
   int64_t chunk_len;
 };
@@ -98,7 +102,7 @@ struct CtaTask {
   bool selects;     // n > budget and picks > 0: the row needs the radix select
   int64_t begin;    // first candidate of the chunk
   int64_t end;      // one past the last (end <= begin: empty chunk)
-  cuda_detail::PooledRow keys;  // candidate scores, pooled over [0, n - window)
+  const float* scores;  // the row's scores [length]
 };
 
 __device__ __forceinline__ CtaTask cta_task(const SelectArgs& a) {
@@ -110,12 +114,12 @@ __device__ __forceinline__ CtaTask cta_task(const SelectArgs& a) {
   task.selects = task.n > a.budget && task.picks > 0;
   task.begin = a.n_sink + task.chunk * a.chunk_len;
   task.end = min(task.begin + a.chunk_len, task.n - a.window);
-  task.keys = {a.scores + task.row * a.length, task.n - a.window, a.kernel_size, a.mode};
+  task.scores = a.scores + task.row * a.length;
   return task;
 }
 
 __device__ __forceinline__ uint32_t key_at(const CtaTask& task, int64_t j) {
-  return cuda_detail::order_key(task.keys.at(j));
+  return cuda_detail::order_key(__ldg(task.scores + j));
 }
 
 __device__ __forceinline__ uint32_t* row_hist(const SelectArgs& a, int64_t row) {
@@ -237,8 +241,7 @@ __global__ __launch_bounds__(kBlock) void scatter_keep_kernel(SelectArgs a) {
 
 size_t select_keep_workspace_bytes_cuda(const SelectKeepParams& p) {
   if (validate_sizes(p) != Status::kOk) return 0;
-  const SelectPlan plan = plan_select(p);
-  return plan.hist_bytes + plan.counts_bytes;
+  return plan_select(p).bytes();
 }
 
 Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t workspace_bytes,
@@ -246,7 +249,7 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
   if (auto s = validate(p); s != Status::kOk) return s;
   if (p.length > INT32_MAX) return Status::kInvalidArgument;  // positions are int32
   const SelectPlan plan = plan_select(p);
-  if (workspace_bytes < plan.hist_bytes + plan.counts_bytes) return Status::kWorkspaceTooSmall;
+  if (workspace_bytes < plan.bytes()) return Status::kWorkspaceTooSmall;
   if (plan.rows == 0) return Status::kOk;
   if (plan.may_select &&
       (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % sizeof(uint64_t) != 0))
@@ -255,7 +258,24 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
   if (blocks > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
 
   auto* hist = static_cast<uint32_t*>(workspace);
-  const SelectArgs args{p.scores,
+  const float* scores = p.scores;
+  if (plan.pooled_bytes != 0) {  // step 0: pool once; the passes read the pooled row
+    auto* pooled = reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.hist_bytes +
+                                            plan.counts_bytes);
+    PoolScoresParams pool;
+    pool.scores_in = p.scores;
+    pool.scores_out = pooled;
+    pool.seq_lens = p.seq_lens;
+    pool.batch = p.batch;
+    pool.heads = p.heads;
+    pool.length = p.length;
+    pool.window = p.window;
+    pool.kernel_size = p.pool_kernel_size;
+    pool.mode = p.pool_mode;
+    if (auto s = pool_scores_cuda(pool, stream); s != Status::kOk) return s;
+    scores = pooled;
+  }
+  const SelectArgs args{scores,
                         p.seq_lens,
                         p.keep_idx,
                         hist,
@@ -267,8 +287,6 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
                         p.budget,
                         p.n_sink,
                         p.window,
-                        p.pool_kernel_size,
-                        p.pool_mode,
                         static_cast<uint32_t>(plan.ctas_per_row),
                         plan.chunk_len};
   const auto grid = static_cast<unsigned>(blocks);
