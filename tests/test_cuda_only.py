@@ -174,3 +174,63 @@ def test_outputs_follow_the_inputs_device(gen):
     assert kept.idx.device == torch.device("cuda:1")
     for got, want in zip(kept, kp.snapkv(t["q"], t["k"], t["v"], 100)):
         assert torch.equal(got.cpu(), want.cpu())
+
+
+def _h2o_step(cache: "kp.DecodeCache", q, k_new, v_new, slots):
+    """One H2O decode layer-step: append into ``slots`` (int32 [B, Hkv, 1], written with the
+    next step's slots), scores + attention output, evict."""
+    kp.streaming_append(cache.k, cache.v, cache.slot_pos, cache.seq_lens, k_new, v_new,
+                        n_sink=4, slots=slots)
+    out = kp.decode_scores(q, cache.k, cache.slot_pos, cache.seq_lens, cache.h2o_scores,
+                           v_cache=cache.v)
+    slots.copy_(kp.h2o_evict(cache.h2o_scores, cache.slot_pos, cache.seq_lens, n_sink=4,
+                             recent=32))
+    return out
+
+
+def _decode_state(gen, device, capacity=1024, filled=1000):
+    """A bf16 H2O cache (B 2, Hkv 2, D 128) holding ``filled`` tokens, h2o scores set."""
+    cache = kp.DecodeCache.empty(2, 2, capacity, 128, device=device, h2o=True)
+    k = randn_tokens(2, 2, filled, 128, dtype=torch.bfloat16, device=device, gen=gen)
+    v = randn_tokens(2, 2, filled, 128, dtype=torch.bfloat16, device=device, gen=gen)
+    kp.streaming_append(cache.k, cache.v, cache.slot_pos, cache.seq_lens, k, v, n_sink=4)
+    cache.h2o_scores.copy_(torch.rand(cache.h2o_scores.shape, generator=gen).to(device))
+    slots = kp.h2o_evict(cache.h2o_scores, cache.slot_pos, cache.seq_lens, n_sink=4, recent=32)
+    return cache, slots
+
+
+def test_decode_layer_step_graph_replay_matches_eager(gen):
+    """The decode layer-step (append + scores + evict, capacity 1024) captured once in a
+    CUDA graph and replayed across the cache's filling and its evictions gives, step by step,
+    the eager step's cache, h2o scores, slots and attention output."""
+    cache, slots = _decode_state(gen, CUDA)
+    q = torch.empty(2, 8, 1, 128, dtype=torch.bfloat16, device=CUDA)
+    k_new = torch.empty(2, 2, 1, 128, dtype=torch.bfloat16, device=CUDA)
+    v_new = torch.empty_like(k_new)
+    step_gen = rng(7)
+
+    def refill():
+        for x in (q, k_new, v_new):
+            x.copy_(randn_tokens(*x.shape, dtype=x.dtype, device=CUDA, gen=step_gen))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (one real step)
+        refill()
+        _h2o_step(cache, q, k_new, v_new, slots)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _h2o_step(cache, q, k_new, v_new, slots)
+    eager_cache = kp.DecodeCache(*(t.clone() for t in cache))
+    eager_slots = slots.clone()
+    for _ in range(40):  # 1001 -> 1041 tokens: the last 24 steps evict
+        refill()
+        graph.replay()
+        want = _h2o_step(eager_cache, q, k_new, v_new, eager_slots)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+        assert torch.equal(slots, eager_slots)
+        for got_t, want_t in zip(cache, eager_cache):
+            assert torch.equal(got_t, want_t)
+    assert int(cache.seq_lens[0]) == 1041 and bool((cache.slot_pos >= 1024).any())
