@@ -6,6 +6,8 @@
 Per-step (one layer, one decode token, B=1, Hq=32, Hkv=8, D=128, bf16 by default):
   * ``streaming``   kp.streaming_append + kp.decode_scores(v_cache=...) (attention over C slots)
   * ``h2o``         kp.streaming_append(slots=) + kp.decode_scores(h2o_scores, v_cache) + kp.h2o_evict
+  * ``h2o_graph``   (CUDA) the same step captured once in a CUDA graph and replayed: the
+                    layer-step without its launch overheads
   * ``h2o_torch``   the same H2O step in plain PyTorch (GQA-native matmuls, fp32 softmax,
                     masked argmin, index_copy): what a user would write instead
   * dense full-cache steps: write the token into a preallocated [B,Hkv,N,D] cache and attend
@@ -87,9 +89,23 @@ class Steps:
         kp.streaming_append(c.k, c.v, c.slot_pos, c.seq_lens, self.k_new, self.v_new,
                             n_sink=self.n_sink, slots=self.next_slot)
         out = kp.decode_scores(self.q, c.k, c.slot_pos, c.seq_lens, c.h2o_scores, v_cache=c.v)
-        self.next_slot = kp.h2o_evict(c.h2o_scores, c.slot_pos, c.seq_lens, n_sink=self.n_sink,
-                                      recent=self.recent)
+        self.next_slot.copy_(kp.h2o_evict(c.h2o_scores, c.slot_pos, c.seq_lens,
+                                          n_sink=self.n_sink, recent=self.recent))
         return out
+
+    def h2o_graph(self):
+        """The h2o step captured once in a CUDA graph (made on first use), replayed."""
+        if getattr(self, "_graph", None) is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture
+                self.h2o()
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._graph_out = self.h2o()
+        self._graph.replay()
+        return self._graph_out
 
     def h2o_torch(self):
         B, Hkv, C, D = self.t_k.shape
@@ -151,7 +167,8 @@ def per_step(args, device):
     dense = ["full_matmul", "full_sdpa_view", "full_sdpa_gqa"]
     for N in args.contexts:
         st = Steps(B, Hq, Hkv, D, C, N, dtype, device)
-        names = ["streaming", "h2o", "h2o_torch"] + dense
+        names = ["streaming", "h2o"] + (["h2o_graph"] if device.type == "cuda" else [])
+        names += ["h2o_torch"] + dense
         fns = [getattr(st, n) for n in names]
         want = st.full_sdpa_gqa().float()  # the dense rows compute the same attention
         err = max((getattr(st, n)().float() - want).abs().max().item() for n in dense[:2])
