@@ -16,6 +16,9 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
 * ``sv-gqamax-k31``: the KV group's largest query head instead of the mean;
 * ``sv-w16-k31`` / ``sv-w64-k31``: a window of 16 / 64 queries (run with ``--window 64`` so
   64 are recorded; every setting then names its own window);
+* ``sv-d-*``: the default pool (49 wide, shifted 16) centred (``c49``), shifted 8 (``s8``),
+  averaged (``avg``), with GQA max (``gqamax``), or with every 32nd / 64th token kept
+  whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting);
 * ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
   maxima max-pooled over K positions (shifted S later) before ranking.
 
@@ -107,7 +110,23 @@ class SnapKVQueryMax(kp.policy.SnapKV):
         return kp.pool_scores(s, self.kernel_size, self.pool, window=self.window)
 
 
-for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax):
+@dataclass(frozen=True)
+class SnapKVStride(kp.policy.SnapKV):
+    """The default SnapKV plus a coverage floor: every ``stride``-th token before the window
+    is kept whatever its vote (a uniform sample of the context, for the word-frequency
+    tasks), the rest of the budget by the pooled votes."""
+
+    name: ClassVar[str] = "snapkv_stride"
+    stride: int = 32
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None):
+        s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
+        prefix = max(s.shape[-1] - self.window, 0)
+        s[..., :prefix:self.stride] += 1e3  # above any vote: a sum of <= window probabilities
+        return s
+
+
+for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride):
     kp.policy.register(_cls)
 
 W = 32  # the library's default window: every setting names its own (the run records --window)
@@ -124,6 +143,13 @@ VARIANTS = {
     "sv-gqamax-k31": ("snapkv", {"kernel_size": 31, "gqa": "max", "window": W}),
     "sv-w16-k31": ("snapkv", {"kernel_size": 31, "window": 16}),
     "sv-w64-k31": ("snapkv", {"kernel_size": 31, "window": 64}),
+    # around the default (49 wide, shifted 16), for the word-extraction families cwe / fwe
+    "sv-d-c49": ("snapkv", {"kernel_size": 49, "pool_shift": 0, "window": W}),
+    "sv-d-s8": ("snapkv", {"kernel_size": 49, "pool_shift": 8, "window": W}),
+    "sv-d-avg": ("snapkv", {"pool": "avg", "window": W}),
+    "sv-d-gqamax": ("snapkv", {"gqa": "max", "window": W}),
+    "sv-d-stride32": ("snapkv_stride", {"stride": 32, "window": W}),
+    "sv-d-stride64": ("snapkv_stride", {"stride": 64, "window": W}),
 }
 # query-agnostic: kvzip's reconstruction maxima pooled before they are ranked (the library's
 # KVzip(kernel_size, pool_shift)); every variant shares the sample's one reconstruction
