@@ -786,10 +786,11 @@ QUICK = {"tokens": 900, "samples": 1, "budgets": [0.5], "max_new_tokens": 6}
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="target prompt length (context + question)")
-    ap.add_argument("--samples", type=int, default=5, help="samples per task")
+    ap.add_argument("--samples", type=int, default=5,
+                    help="run sample indices [--first-sample, --samples) of every task")
     ap.add_argument("--first-sample", type=int, default=0,
                     help="start at this sample index (a later part of a run whose earlier "
-                         "indices another part ran)")
+                         "indices another part ran; below --samples)")
     ap.add_argument("--tasks", nargs="+", default=list(rt.TASKS), choices=rt.TASKS)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.16, 0.25, 0.5],
@@ -838,6 +839,9 @@ def main(argv=None) -> dict:
             plot(data, args.plot)
             print(f"wrote {args.plot}")
         return data
+    if not 0 <= args.first_sample < args.samples:
+        raise SystemExit(f"--first-sample {args.first_sample}, --samples {args.samples}: no "
+                         "sample to run (the indices run are [--first-sample, --samples))")
     threads0 = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
