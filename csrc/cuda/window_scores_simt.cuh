@@ -29,15 +29,17 @@ struct SimtShape {
 // ptxas for sm_100 / sm_103 sizes this kernel for the 6 CTAs per SM its shared memory
 // allows (80 registers) and spills; asking for 4 leaves it the registers it needs (~115, no
 // spill). The other archs keep their own choice (sm_90a: 80 registers, no spill).
+// (An explicit minimum of 1 is not the same as none: it changes ptxas's choice, so the other
+// archs get the plain bound.)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && __CUDA_ARCH__ < 1200
-#define KVPRUNE_SIMT_MIN_CTAS 4
+#define KVPRUNE_SIMT_LAUNCH_BOUNDS __launch_bounds__(SimtShape::kThreads, 4)
 #else
-#define KVPRUNE_SIMT_MIN_CTAS 1
+#define KVPRUNE_SIMT_LAUNCH_BOUNDS __launch_bounds__(SimtShape::kThreads)
 #endif
 
 // T: the query type; KT: K's storage (T, or fp8).
 template <typename T, Pass kPass, typename KT>
-__global__ void __launch_bounds__(SimtShape::kThreads, KVPRUNE_SIMT_MIN_CTAS)
+__global__ void KVPRUNE_SIMT_LAUNCH_BOUNDS
     window_scores_simt_kernel(const KernelArgs a) {
   constexpr int kThreads = SimtShape::kThreads;
   constexpr int kKeys = SimtShape::kKeysPerThread;
