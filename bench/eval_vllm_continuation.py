@@ -7,7 +7,8 @@ Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
 
 Each prompt is ``--tokens`` tokens of a Jane Austen novel (random offsets, seeded; plain text,
 no chat template); vLLM (its defaults, fp32, Qwen2.5-Coder-0.5B-Instruct) continues it
-greedily for ``--gen`` tokens with EOS ignored, once with the full cache
+greedily (or sampled at ``--temperature``, prompt i from seed ``--seed + i`` in every setting)
+for ``--gen`` tokens with EOS ignored, once with the full cache
 (``kp.vllm.engine_args("full")``) and once per decode-time rule and ``--max-held``
 (``engine_args("full", decode=POLICY, max_held=M, interval=--interval)``: the prompt stays
 whole, the cache is compressed back to M tokens every ``interval`` generated tokens). All
@@ -71,7 +72,9 @@ def generate(model_dir: str, prompts, engine_kwargs, args) -> list[list[int]]:
 
     llm = vllm.LLM(model_dir, dtype=args.dtype, max_model_len=args.tokens + args.gen + 64,
                    enforce_eager=True, block_size=32, seed=0, **engine_kwargs)
-    params = vllm.SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
+    params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=args.gen,
+                                  ignore_eos=True, seed=args.seed + i)
+              for i in range(len(prompts))]  # sampled: prompt i from seed + i in every setting
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
     gc.collect()
@@ -81,7 +84,8 @@ def generate(model_dir: str, prompts, engine_kwargs, args) -> list[list[int]]:
 def table(rows: list[dict], meta: dict) -> str:
     lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']}; {meta['dtype']}; commit "
              f"{meta['commit']}; {meta['prompts']} prompts of {meta['tokens']} tokens, "
-             f"{meta['gen']} generated each (greedy, EOS ignored), interval {meta['interval']}",
+             f"{meta['gen']} generated each ({'greedy' if not meta['temperature'] else 'temperature ' + str(meta['temperature'])}, "
+             f"EOS ignored), interval {meta['interval']}",
              "",
              "| setting | agreement with full (tokens, mean / min) | repeated 4-grams |",
              "|---|---|---|"]
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--max-held", type=int, nargs="+", default=[512])
     ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the default); > 0: sampled, no top-p / top-k")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_continuation.json")
     args = ap.parse_args()
@@ -131,7 +137,7 @@ def main() -> None:
             print(rows[-1]["setting"], rows[-1]["agreement"], flush=True)
     meta = {**common.run_meta(), "vllm": vllm.__version__, "prompts": args.prompts,
             "tokens": args.tokens, "gen": args.gen, "interval": args.interval,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "temperature": args.temperature}
     print(table(rows, meta))
     common.write_json(args.out, {"meta": meta, "rows": rows})
     print(f"wrote {args.out}")
