@@ -48,7 +48,8 @@ def test_pinned_prefix_and_multi_token_forwards():
     (dict(decode="snapkv", max_held=0.5, interval=32), "max_held", TypeError),
     (dict(decode="snapkv", max_held=64, interval=8), "interval", ValueError),   # < window
     (dict(decode="streaming", max_held=64, interval=0), "interval", ValueError),
-    (dict(decode="streaming", max_held=64, interval=None), "interval", TypeError),
+    (dict(decode="streaming", max_held=64, interval=None), "interval", ValueError),
+    (dict(decode="streaming", max_held=64, interval=32.0), "interval", TypeError),
     (dict(decode=None, max_held=64, interval=32), "decode", ValueError),
 ])
 def test_bad_arguments_are_named(kwargs, name, error):

@@ -93,8 +93,10 @@ def make_decode(decode: Optional[str], max_held: Optional[int], interval: Option
             raise ValueError("decode: max_held / interval given without a decode policy")
         return None
     check_str("decode", decode, DECODE_POLICIES)
-    check_int("max_held", max_held)
-    check_int("interval", interval)
+    for name, value in (("max_held", max_held), ("interval", interval)):
+        if value is None:  # missing, not of a wrong type
+            raise ValueError(f"{name}: decode {decode!r} needs it (a token count)")
+        check_int(name, value)
     if prompt is not None:  # the prompt's fields win
         own = {f.name for f in fields(prompt)}
         options = Options(**{f.name: getattr(prompt if f.name in own else options, f.name, None)
