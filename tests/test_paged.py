@@ -365,9 +365,11 @@ def test_compact_overlaps_under_every_schedule(kind, seed, gen):
                                        (torch.float16, 5), (torch.float8_e4m3fn, 7)],
                          ids=["f16-D64", "f16-D40", "f16-D5", "e4m3-D7"])
 @pytest.mark.parametrize("kind", ["shift", "gap", "every_third"])
-def test_compact_long_rows_cross_waves(kind, dtype, dim, gen):
-    """Rows of thousands of tokens: the CUDA kernel moves them in waves of 256 to 1024
-    tokens, and sources just past a wave's end are written by the next wave."""
+@pytest.mark.parametrize("host_threads", [1, 4])
+def test_compact_long_rows_cross_slabs(kind, dtype, dim, host_threads, gen):
+    """Rows of thousands of tokens: the CUDA kernel moves them in slabs of 256 to 1024
+    tokens, one CTA each, and sources just past a slab's end are written by the next slab,
+    which must wait for this one's reads (with 4 host threads, slabs run side by side)."""
     lens, heads, block_size = [3200, 1100, 0], 2, 16
     pool, table = make_pool("HND", "contig", lens, block_size, heads, dim, dtype, gen)
     if kind == "shift":
@@ -380,7 +382,7 @@ def test_compact_long_rows_cross_waves(kind, dtype, dim, gen):
             count = max(0, (n - 1) // 3)
             for h in range(heads):
                 idx[b, h, :count] = torch.arange(h, h + 3 * count, 3, dtype=torch.int32)
-    with kp.testing.emulate_cuda(schedules=kp.testing.SCHEDULES, seed=0):
+    with kp.testing.emulate_cuda(schedules=kp.testing.SCHEDULES, seed=0, host_threads=host_threads):
         compact_check(pool, table, lens, idx, "cpu")
 
 

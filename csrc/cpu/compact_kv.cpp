@@ -38,7 +38,9 @@ void compact_row(const MutableTokens& x, const int32_t* idx, int64_t kept, int64
 
 }  // namespace
 
-Status compact_kv_cpu(const CompactKvParams& p, const CpuExecutor& exec) {
+size_t compact_kv_workspace_bytes_cpu(const CompactKvParams&, const CpuExecutor&) { return 0; }
+
+Status compact_kv_cpu(const CompactKvParams& p, void*, size_t, const CpuExecutor& exec) {
   if (auto s = validate(p); s != Status::kOk) return s;
   if (auto s = validate_seq_lens_host(p.seq_lens, p.batch, p.length); s != Status::kOk) return s;
   const int64_t rows = p.batch * p.heads;

@@ -97,6 +97,26 @@ __device__ __forceinline__ void mma_m16n8k16(float (&acc)[4], uint32_t a0, uint3
   }
 }
 
+// Flags between the blocks of one launch (a word that starts 0 and is set once):
+// set_flag after a __syncthreads publishes everything the block wrote or read before
+// that barrier (a release at GPU scope); wait_flag returns once the flag is set (an
+// acquire), and a __syncthreads after it orders the whole block after the setter's.
+// A block may only wait on one that has already started (e.g. by taking its work from
+// a counter in start order): CUDA does not promise that all blocks run at once.
+__device__ __forceinline__ void set_flag(uint32_t* flag) {
+  __threadfence();
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
+}
+
+__device__ __forceinline__ void wait_flag(const uint32_t* flag) {
+  for (;;) {
+    uint32_t value;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+    if (value != 0) return;
+    __nanosleep(64);
+  }
+}
+
 // The block's dynamic shared memory (the launch's dynamic_smem bytes, 16-byte aligned).
 template <typename T>
 __device__ __forceinline__ T* dynamic_shared() {
@@ -209,6 +229,15 @@ inline void mma_m16n8k16(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                                      : detail::Collective::kMmaBf16,
                           0xffffffffu, file, line, in, detail::kMaxInWords, out, 4);
   std::memcpy(acc, out, sizeof acc);
+}
+
+// Flags between blocks: a release store and an acquire poll. A block keeps its host
+// thread, so the runtime fails a wait that no running block can end (a GPU deadlock).
+inline void set_flag(uint32_t* flag) { __atomic_store_n(flag, 1u, __ATOMIC_RELEASE); }
+
+inline void wait_flag(const uint32_t* flag, const char* file = __builtin_FILE(),
+                      int line = __builtin_LINE()) {
+  detail::wait_for_flag(flag, file, line);
 }
 
 template <typename T>

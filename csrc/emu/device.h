@@ -78,6 +78,16 @@ inline T atomicAdd(T* address, T value) {
   return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
 }
 
+template <typename T>
+inline T atomicMin(T* address, T value) {
+  static_assert(std::is_integral_v<T>, "the emulator models integer atomics only");
+  T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  while (value < old &&
+         !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+
 // ---- warp collectives -----------------------------------------------------------------------
 namespace detail {
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -137,6 +138,8 @@ struct Launch {
   Options options;
   std::atomic<uint64_t> next_block{0};
   std::atomic<bool> failed{false};
+  std::atomic<int> running_workers{0};  // host threads still taking blocks of this launch
+  std::atomic<int> waiting_workers{0};  // of those, the ones whose block waits on a flag
   std::mutex error_mutex;
   std::string error;  // the first failure
 };
@@ -305,6 +308,38 @@ class BlockRun {
 
   ~BlockRun() {
     for (const auto& s : static_shared_) std::free(s.data);
+  }
+
+  // A GPU thread polling a flag that another block sets. This block keeps its host thread
+  // while it waits, so only a block running on another host thread can still set it; when
+  // every running worker has been waiting for 200 ms, none will (a deadlock on a GPU).
+  void wait_for_flag(const uint32_t* flag, const char* file, int line) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    auto all_waiting_since = Clock::time_point::max();
+    launch_.waiting_workers.fetch_add(1, std::memory_order_acq_rel);
+    for (;;) {
+      // Workers first: one that has left set every flag it would set before leaving.
+      const int running = launch_.running_workers.load(std::memory_order_acquire);
+      const int waiting = launch_.waiting_workers.load(std::memory_order_acquire);
+      if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
+      const auto now = Clock::now();
+      if (waiting < running) all_waiting_since = Clock::time_point::max();
+      else if (all_waiting_since == Clock::time_point::max()) all_waiting_since = now;
+      const char* why = nullptr;
+      if (launch_.failed.load(std::memory_order_relaxed)) why = "another block of the launch failed";
+      else if (running <= 1) why = "no other block is running that could set it (a deadlock on a GPU)";
+      else if (now - all_waiting_since > std::chrono::milliseconds(200))
+        why = "every running block waits on a flag (a deadlock on a GPU)";
+      else if (now - start > std::chrono::seconds(60)) why = "it stayed unset for 60 s";
+      if (why != nullptr) {
+        launch_.waiting_workers.fetch_sub(1, std::memory_order_acq_rel);
+        fail(format("thread %d waits at %s:%d on a flag: %s", t_thread->linear, base_name(file),
+                    line, why));
+      }
+      std::this_thread::yield();
+    }
+    launch_.waiting_workers.fetch_sub(1, std::memory_order_acq_rel);
   }
 
   [[noreturn]] void fail(std::string what) {
@@ -501,6 +536,7 @@ void run_blocks(Launch& launch) {
   auto pool = acquire_pool();
   {
     BlockRun run(launch, *pool);
+    launch.running_workers.fetch_add(1, std::memory_order_acq_rel);
     const uint64_t blocks = static_cast<uint64_t>(launch.grid.x) * launch.grid.y * launch.grid.z;
     std::string error;
     for (;;) {
@@ -513,6 +549,7 @@ void run_blocks(Launch& launch) {
         break;
       }
     }
+    launch.running_workers.fetch_sub(1, std::memory_order_acq_rel);
   }
   release_pool(std::move(pool));
 }
@@ -556,6 +593,10 @@ void warp_collective(Collective kind, unsigned mask, const char* file, int line,
 
 void* block_shared_bytes(const void* site, size_t bytes, size_t align) {
   return t_run->static_shared(site, bytes, align);
+}
+
+void wait_for_flag(const uint32_t* flag, const char* file, int line) {
+  t_run->wait_for_flag(flag, file, line);
 }
 
 void fail_thread(const char* what) {

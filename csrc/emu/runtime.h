@@ -11,6 +11,10 @@
 //    opens when every thread of the block has reached it; a collective completes
 //    when every lane named in its mask has reached the same collective (same kind,
 //    mask and call site).
+//  * Blocks may signal each other through flags (simt::set_flag / wait_flag). A block
+//    keeps its host thread while it waits, so a wait that no block running on another
+//    host thread can end (with one host thread: any unset flag) fails the launch as
+//    the deadlock it would be on a GPU, where blocks need not run at once either.
 //  * Anything that would hang or be undefined on a GPU fails the launch with a
 //    message naming the kernel, the block and the threads: a barrier that only
 //    part of the block reaches, a collective that can never complete (a lane of its
@@ -83,6 +87,9 @@ void syncthreads(const char* file, int line);
 // collective (same kind, mask and call site).
 void warp_collective(Collective kind, unsigned mask, const char* file, int line,
                      const uint32_t* in, int in_words, uint32_t* out, int out_words);
+// Returns once *flag != 0 (an acquire load), set by another block. Fails the launch
+// when no other block is running that could set it, or after 60 s.
+void wait_for_flag(const uint32_t* flag, const char* file, int line);
 // Fails the launch (an error found by a shim, e.g. a bad atomic address).
 [[noreturn]] void fail_thread(const char* what);
 // The block's copy of the static shared variable declared at `site` (one address per

@@ -33,7 +33,10 @@ Status streaming_keep_cpu(const StreamingKeepParams& p, const CpuExecutor& exec)
 Status gather_kv_cpu(const GatherKvParams& p, const CpuExecutor& exec);
 // In-place compaction (CompactKvParams); also checks keep_idx (ascending, in range,
 // the same count for every head of a row): kInvalidArgument if not, nothing written.
-Status compact_kv_cpu(const CompactKvParams& p, const CpuExecutor& exec);
+// It needs no workspace (0 bytes); the CUDA backend's does.
+size_t compact_kv_workspace_bytes_cpu(const CompactKvParams& p, const CpuExecutor& exec);
+Status compact_kv_cpu(const CompactKvParams& p, void* workspace, size_t workspace_bytes,
+                      const CpuExecutor& exec);
 // window_scores -> select_keep (pooled) -> gather_kv in one call, the scores and
 // the stages' scratch in the workspace (SnapKvParams in params.h).
 size_t snapkv_workspace_bytes_cpu(const SnapKvParams& p, const CpuExecutor& exec);

@@ -147,7 +147,9 @@ at::Tensor paged_compact(const Backend& be, at::Tensor& k_cache, at::Tensor& v_c
   const c10::DeviceGuard guard(k_cache.device());
   at::Tensor new_lens = at::empty({batch}, seq_lens.options());
   p.new_seq_lens = new_lens.data_ptr<int32_t>();
-  const Status status = be.compact_kv(p);
+  const size_t ws_bytes = be.compact_kv_workspace(p);
+  at::Tensor ws = allocate_workspace(ws_bytes, k_cache);
+  const Status status = be.compact_kv(p, ws.data_ptr(), ws_bytes);
   TORCH_CHECK_VALUE(status != Status::kInvalidArgument,
                     "idx: each row must hold ascending positions below its sequence's capacity, "
                     "then -1 padding, and every head of a row the same count");

@@ -166,7 +166,9 @@ void compact_case(const Cmp& s) {
   p.length = s.block_size > 0 ? per_row * s.block_size : s.N;
   p.budget = s.budget;
   p.head_dim = s.D;
-  c.run([&] { return kvprune::compact_kv_cpu(p, kSerial); }, [&] { return emu::compact_kv_cuda(p, nullptr); });
+  std::vector<uint32_t> ws(emu::compact_kv_workspace_bytes_cuda(p) / sizeof(uint32_t) + 1);
+  c.run([&] { return kvprune::compact_kv_cpu(p, nullptr, 0, kSerial); },
+        [&] { return emu::compact_kv_cuda(p, ws.data(), ws.size() * sizeof(uint32_t), nullptr); });
 }
 
 }  // namespace
@@ -200,18 +202,24 @@ void gather_cases() {
                   .rope(20, RopeLayout::kGptj).expect(v8));
   // compact_kv: in place, every overlap of sources and destinations (CPU = sequential order).
   compact_case(Cmp("compact paged bf16 D=64 bs=16 random kept", bf16, 3, 2, 150, 40, 64).paged(16)
-                   .expect("compact_kv_kernel<uint4>"));
+                   .expect("move_kept_kernel<uint4>"));
   compact_case(Cmp("compact paged fp16 D=128 bs=1 sinks+recent", f16, 2, 2, 90, 30, 128).paged(1)
                    .streaming());
   compact_case(Cmp("compact paged fp32 D=6 bs=32 8B vectors budget>len", f32, 2, 3, 40, 64, 6).paged(32)
-                   .expect("compact_kv_kernel<uint2>"));
+                   .expect("move_kept_kernel<uint2>"));
   compact_case(Cmp("compact dense fp16 D=5 2B vectors sinks+recent", f16, 2, 2, 70, 25, 5).streaming()
-                   .expect("compact_kv_kernel<short unsigned int>"));
+                   .expect("move_kept_kernel<short unsigned int>"));
+  // Rows of several slabs (1024 tokens each for 16-byte vectors, 256 for 1-byte ones), most
+  // tokens kept: a slab's sources lie in the next slab, which must wait for its reads.
+  compact_case(Cmp("compact paged bf16 D=64 3 slabs random kept", bf16, 2, 2, 3000, 2600, 64).paged(16)
+                   .expect("move_kept_kernel<uint4>").expect("count_kept_kernel"));
+  compact_case(Cmp("compact dense fp8 e5m2 D=7 4 slabs sinks+recent", DType::kFloat8E5M2, 1, 3, 1100, 900, 7)
+                   .streaming().expect("move_kept_kernel<unsigned char>"));
   // No KV heads: nothing moves and every row's new length is 0 (CUDA wrote none before).
   compact_case(Cmp("compact paged fp16 no heads", f16, 2, 0, 40, 8, 16).paged(16));
   // fp8 caches move as bytes: odd rows take 1-byte vectors.
   compact_case(Cmp("compact paged fp8 e4m3 D=7 1B vectors", DType::kFloat8E4M3, 2, 2, 60, 20, 7).paged(16)
-                   .expect("compact_kv_kernel<unsigned char>"));
+                   .expect("move_kept_kernel<unsigned char>"));
   gather_case(Gat("gather fp8 e5m2 D=9 1B vectors", DType::kFloat8E5M2, 1, 2, 50, 20, 9)
                   .expect("gather_kv_kernel<unsigned char>"));
   gather_case(Gat("gather fp8 e4m3 D=128 16B vectors", DType::kFloat8E4M3, 2, 2, 80, 30, 128).expect(v16));

@@ -152,8 +152,8 @@ int select_keep() {
 }
 
 int compact_kv() {
-  // Keeping every other token moves each one from 2t (+ head) to t: sources of a wave's first
-  // half lie in its second half, and of its second half in the next wave (1024 tokens each).
+  // Keeping every other token moves each one from 2t (+ head) to t: sources of a slab's first
+  // half lie in its second half, and of its second half in the next slab (1024 tokens each).
   const int64_t heads = 2, n = 3000, d = 8, budget = 1500;
   const auto k0 = random_floats(heads * n * d, 5), v0 = random_floats(heads * n * d, 6);
   std::vector<int32_t> idx(heads * budget);
@@ -175,12 +175,13 @@ int compact_kv() {
     k = k0;
     v = v0;
     point_at(k, v);
-    return kvprune::emu::compact_kv_cuda(p, nullptr);
+    std::vector<char> ws(kvprune::emu::compact_kv_workspace_bytes_cuda(p));
+    return kvprune::emu::compact_kv_cuda(p, ws.data(), ws.size(), nullptr);
   });
   if (status != 0) return status;
   std::vector<float> k_cpu = k0, v_cpu = v0;
   point_at(k_cpu, v_cpu);
-  if (kvprune::compact_kv_cpu(p, {}) != Status::kOk) return 5;
+  if (kvprune::compact_kv_cpu(p, nullptr, 0, {}) != Status::kOk) return 5;
   if (k != k_cpu || v != v_cpu) {
     std::printf("wrong: the compacted K/V differ from the CPU backend\n");
     return 4;

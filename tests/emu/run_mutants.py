@@ -37,11 +37,22 @@ MUTANTS = [
      "    __syncthreads();  // shared.scan is reused by the next tile\n",
      "",
      "select_keep", r"race: the forward and reverse schedules"),
-    ("removed __syncthreads between a compaction wave's loads and its stores",
+    ("removed both __syncthreads between a compaction slab's loads and its stores",
      "csrc/cuda/compact_kv.cu",
-     "    __syncthreads();  // every read of the wave happens before any write of it\n",
-     "",
+     "  __syncthreads();  // every read of the slab happens before any write of it\n"
+     "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n"
+     "  for (int64_t earlier = threadIdx.x; earlier < slab; earlier += kBlock)\n"
+     "    simt::wait_flag(flags + earlier);\n"
+     "  __syncthreads();  // ... and every read of an earlier slab\n",
+     "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n"
+     "  for (int64_t earlier = threadIdx.x; earlier < slab; earlier += kBlock)\n"
+     "    simt::wait_flag(flags + earlier);\n",
      "compact_kv", r"race: the forward and reverse schedules|wrong: the compacted K/V differ"),
+    ("a compaction slab that never sets its flag (the next slab of its row waits forever)",
+     "csrc/cuda/compact_kv.cu",
+     "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n",
+     "",
+     "compact_kv", r"waits at compact_kv\.cu:\d+ on a flag"),
     ("store one element past the end (pool_scores bound j >= length -> j > length)",
      "csrc/cuda/pool_scores.cu",
      "if (j >= a.length) break;",
