@@ -20,7 +20,8 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   averaged (``avg``), with GQA max (``gqamax``), or with every 32nd / 64th token kept
   whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting);
 * ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
-  maxima max-pooled over K positions (shifted S later) before ranking.
+  maxima max-pooled over K positions (shifted S later) before ranking;
+* ``kz-head-strideS``: kvzip-head with every S-th context token kept whatever its maximum.
 
     .venv/bin/python bench/ruler_variants.py --tokens 4096 --samples 2 --budgets 0.16 --dtype float32 \\
         --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k/variants.json
@@ -126,7 +127,22 @@ class SnapKVStride(kp.policy.SnapKV):
         return s
 
 
-for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride):
+@dataclass(frozen=True)
+class KVzipStride(kp.policy.KVzip):
+    """kvzip plus a coverage floor: every ``stride``-th context token is kept whatever its
+    reconstruction maximum (a uniform sample, for the word-frequency tasks), the rest of the
+    budget by the maxima. Ranks the recorded maxima only, so it shares kvzip's reconstruction."""
+
+    name: ClassVar[str] = "kvzip_stride"
+    stride: int = 32
+
+    def rank_recorded(self, recorded):
+        s = super().rank_recorded(recorded).clone()
+        s[..., ::self.stride] += 1e3  # above any maximum: a probability <= 1
+        return s
+
+
+for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, KVzipStride):
     kp.policy.register(_cls)
 
 W = 32  # the library's default window: every setting names its own (the run records --window)
@@ -160,6 +176,8 @@ KVZIP_VARIANTS = {
     "kz-head-p49s16": ("head", {"kernel_size": 49, "pool_shift": 16}),
     "kz-head-p15s4": ("head", {"kernel_size": 15, "pool_shift": 4}),
     "kz-global-p15": ("global", {"kernel_size": 15}),
+    "kz-head-stride32": ("head", {"stride": 32}),
+    "kz-head-stride16": ("head", {"stride": 16}),
 }
 for _name, (_policy, _options) in VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, None)
@@ -167,6 +185,18 @@ for _name, (_policy, _options) in VARIANTS.items():
 for _name, (_scope, _options) in KVZIP_VARIANTS.items():
     er.SETTINGS[_name] = ("agnostic", "kvzip", _scope)
     er.OPTIONS[_name] = _options
+_kvzip_setting_policy = er._setting_policy
+
+
+def _setting_policy(setting: str, args):
+    """kvzip settings with a ``stride`` rank by KVzipStride (the sample's kvzip reconstruction)."""
+    stride = KVZIP_VARIANTS.get(setting, (None, {}))[1].get("stride")
+    if stride is None:
+        return _kvzip_setting_policy(setting, args)
+    return kp.policy.make(KVzipStride(stride=stride), **vars(_kvzip_setting_policy("kvzip-head", args)))
+
+
+er._setting_policy = _setting_policy
 for _name in ("snapkv-aware", "snapkv-aware-k15", "snapkv-aware-k31"):
     er.OPTIONS[_name] = {**er.OPTIONS.get(_name, {}), "window": W}
 
