@@ -75,8 +75,8 @@ def variants(args) -> dict:
     first answer token taken from the uncompressed prefill; "context", the context alone."""
     # The symmetric pools it probed; kvzip keeps its own window and (unpooled) kernel.
     make = lambda name, **kw: kp.policy.make(  # noqa: E731
-        name, n_sink=args.n_sink, **({} if name == "kvzip" else {
-            "window": args.window, "kernel_size": args.kernel_size, "pool_shift": 0}), **kw)
+        name, n_sink=args.n_sink, **{**({} if name == "kvzip" else {
+            "window": args.window, "kernel_size": args.kernel_size, "pool_shift": 0}), **kw})
     trailing = lambda **kw: kp.policy.make(TrailingSnapKV(), **{  # noqa: E731
         "n_sink": args.n_sink, "window": args.window, "kernel_size": args.kernel_size, **kw})
     v = {
