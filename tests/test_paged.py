@@ -386,6 +386,22 @@ def test_compact_long_rows_cross_slabs(kind, dtype, dim, host_threads, gen):
         compact_check(pool, table, lens, idx, "cpu")
 
 
+@pytest.mark.skipif(not HAS_EMULATOR, reason="no CUDA emulator")
+@pytest.mark.parametrize("drop_every", [2, 10])
+def test_compact_later_slabs_wait_for_a_slow_one(drop_every, gen):
+    """One row of one 32-byte column group, so consecutive CTAs are consecutive slabs of 1024
+    tokens: with two host threads, the caller's a slow SM, later slabs overtake earlier ones
+    and must not store before those have loaded (every `drop_every`-th token dropped: a slab's
+    sources lie in the next slab or further right)."""
+    lens, heads, block_size, n = [4600], 1, 16, 4600
+    pool, table = make_pool("HND", "contig", lens, block_size, heads, 16, torch.float16, gen)
+    keep = [t for t in range(n) if t % drop_every != drop_every - 1]
+    idx = torch.full((1, heads, len(keep)), -1, dtype=torch.int32)
+    idx[0, 0] = int32(keep)
+    with kp.testing.emulate_cuda(host_threads=2, slow_worker_us=2000):
+        compact_check(pool, table, lens, idx, "cpu")
+
+
 # ---------------------------------------------------------------- snapkv
 
 @pytest.mark.parametrize("layout,kind,dtype", [("NHD", "contig", torch.float32),

@@ -219,6 +219,8 @@ Status compact_kv_cuda(const CompactKvParams& p, void* workspace, size_t workspa
   const CountArgs count{p.keep_idx, p.new_seq_lens, words, p.heads, split.rows, p.budget,
                         split.groups_per_row * split.slabs};
   simt::launch<count_kept_kernel>(static_cast<unsigned>(split.rows), kCountBlock, 0, stream, count);
+  // The moves index the flags by the counter it resets: never launch them after a failed count.
+  if (auto s = cuda_detail::launch_status(); s != Status::kOk) return s;
   const MoveArgs moves{p.k, p.v, element_size, p.keep_idx, words, p.heads, split.rows, p.budget,
                        static_cast<int>(split.vecs_per_row), split.group_shift,
                        static_cast<int>(split.groups_per_row), split.slab_tokens, split.slabs};

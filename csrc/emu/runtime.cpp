@@ -138,10 +138,35 @@ struct Launch {
   Options options;
   std::atomic<uint64_t> next_block{0};
   std::atomic<bool> failed{false};
-  std::atomic<int> running_workers{0};  // host threads still taking blocks of this launch
-  std::atomic<int> waiting_workers{0};  // of those, the ones whose block waits on a flag
   std::mutex error_mutex;
   std::string error;  // the first failure
+
+  // Workers (host threads) still taking blocks, and the flags their blocks wait on.
+  std::mutex workers_mutex;
+  int running_workers = 0;
+  std::vector<const uint32_t*> awaited;  // one entry per waiting worker
+
+  void set_running(int delta) {
+    const std::lock_guard<std::mutex> lock(workers_mutex);
+    running_workers += delta;
+  }
+  void start_waiting(const uint32_t* flag) {
+    const std::lock_guard<std::mutex> lock(workers_mutex);
+    awaited.push_back(flag);
+  }
+  void stop_waiting(const uint32_t* flag) {
+    const std::lock_guard<std::mutex> lock(workers_mutex);
+    awaited.erase(std::find(awaited.begin(), awaited.end(), flag));
+  }
+  // Every running worker waits, and on a flag nobody set: nothing can set one any more (a
+  // worker sets flags only while it runs a block that does not wait).
+  bool deadlocked() {
+    const std::lock_guard<std::mutex> lock(workers_mutex);
+    if (static_cast<int>(awaited.size()) < running_workers) return false;
+    for (const uint32_t* f : awaited)
+      if (__atomic_load_n(f, __ATOMIC_ACQUIRE) != 0) return false;
+    return true;
+  }
 };
 
 // Fibers (and their stacks) of one host worker, reused from block to block and
@@ -180,7 +205,7 @@ __thread BlockRun* t_run = nullptr;
 
 class BlockRun {
  public:
-  BlockRun(Launch& launch, FiberPool& pool) : launch_(launch), pool_(pool) {
+  BlockRun(Launch& launch, FiberPool& pool, bool slow) : launch_(launch), pool_(pool), slow_(slow) {
     const dim3 b = launch.block;
     size_ = static_cast<int>(b.x * b.y * b.z);
     while (static_cast<int>(pool_.threads.size()) < size_)
@@ -231,6 +256,7 @@ class BlockRun {
 
   void barrier(const char* file, int line) {
     EmuThread* t = t_thread;
+    if (slow_ && at_barrier_ == 0) stall();  // the first thread there: what it did shows to others
     t->state = ThreadState::kAtBarrier;
     t->wait_file = file;
     t->wait_line = line;
@@ -311,35 +337,33 @@ class BlockRun {
   }
 
   // A GPU thread polling a flag that another block sets. This block keeps its host thread
-  // while it waits, so only a block running on another host thread can still set it; when
-  // every running worker has been waiting for 200 ms, none will (a deadlock on a GPU).
+  // while it waits, so only a block running on another host thread can still set it: when
+  // every running worker waits and every flag they wait on is still unset, none ever will
+  // (a deadlock on a GPU too).
   void wait_for_flag(const uint32_t* flag, const char* file, int line) {
-    using Clock = std::chrono::steady_clock;
-    const auto start = Clock::now();
-    auto all_waiting_since = Clock::time_point::max();
-    launch_.waiting_workers.fetch_add(1, std::memory_order_acq_rel);
+    const auto start = std::chrono::steady_clock::now();
+    launch_.start_waiting(flag);
     for (;;) {
-      // Workers first: one that has left set every flag it would set before leaving.
-      const int running = launch_.running_workers.load(std::memory_order_acquire);
-      const int waiting = launch_.waiting_workers.load(std::memory_order_acquire);
       if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
-      const auto now = Clock::now();
-      if (waiting < running) all_waiting_since = Clock::time_point::max();
-      else if (all_waiting_since == Clock::time_point::max()) all_waiting_since = now;
       const char* why = nullptr;
       if (launch_.failed.load(std::memory_order_relaxed)) why = "another block of the launch failed";
-      else if (running <= 1) why = "no other block is running that could set it (a deadlock on a GPU)";
-      else if (now - all_waiting_since > std::chrono::milliseconds(200))
-        why = "every running block waits on a flag (a deadlock on a GPU)";
-      else if (now - start > std::chrono::seconds(60)) why = "it stayed unset for 60 s";
+      else if (launch_.deadlocked())
+        why = "no block that could set it is running (every running block waits on an unset flag)";
+      else if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60))
+        why = "it stayed unset for 60 s";
       if (why != nullptr) {
-        launch_.waiting_workers.fetch_sub(1, std::memory_order_acq_rel);
+        launch_.stop_waiting(flag);
         fail(format("thread %d waits at %s:%d on a flag: %s", t_thread->linear, base_name(file),
                     line, why));
       }
-      std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    launch_.waiting_workers.fetch_sub(1, std::memory_order_acq_rel);
+    launch_.stop_waiting(flag);
+  }
+
+  // A slow SM (Options::slow_worker_us): blocks of the other workers run ahead meanwhile.
+  void stall() const {
+    std::this_thread::sleep_for(std::chrono::microseconds(launch_.options.slow_worker_us));
   }
 
   [[noreturn]] void fail(std::string what) {
@@ -449,6 +473,7 @@ class BlockRun {
         failure_ = describe_deadlock();
         return false;
       }
+      if (slow_) stall();
       for (EmuThread* t : threads_) t->state = ThreadState::kRunnable;  // the barrier opens
       at_barrier_ = 0;
       make_order(++phase);
@@ -526,17 +551,19 @@ class BlockRun {
   size_t static_bytes_ = 0;
   size_t allowed_dynamic_smem_ = 0;
   uint64_t linear_block_ = 0;
+  bool slow_ = false;  // stalls when the first thread reaches a barrier and when it opens
   int at_barrier_ = 0;
   int exited_ = 0;
   bool failed_ = false;
   std::string failure_;
 };
 
-void run_blocks(Launch& launch) {
+// slow: this worker stands for a slow SM (Options::slow_worker_us).
+void run_blocks(Launch& launch, bool slow) {
   auto pool = acquire_pool();
   {
-    BlockRun run(launch, *pool);
-    launch.running_workers.fetch_add(1, std::memory_order_acq_rel);
+    BlockRun run(launch, *pool, slow);
+    launch.set_running(+1);
     const uint64_t blocks = static_cast<uint64_t>(launch.grid.x) * launch.grid.y * launch.grid.z;
     std::string error;
     for (;;) {
@@ -549,7 +576,7 @@ void run_blocks(Launch& launch) {
         break;
       }
     }
-    launch.running_workers.fetch_sub(1, std::memory_order_acq_rel);
+    launch.set_running(-1);
   }
   release_pool(std::move(pool));
 }
@@ -642,8 +669,8 @@ int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
                     : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
   workers = static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(workers), blocks));
   std::vector<std::thread> helpers;
-  for (int w = 1; w < workers; ++w) helpers.emplace_back([&state] { run_blocks(state); });
-  run_blocks(state);
+  for (int w = 1; w < workers; ++w) helpers.emplace_back([&state] { run_blocks(state, false); });
+  run_blocks(state, state.options.slow_worker_us > 0);
   for (auto& h : helpers) h.join();
   if (state.failed.load()) return report(cudaErrorLaunchFailure, state.error, true);
   return cudaSuccess;

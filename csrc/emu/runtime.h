@@ -15,6 +15,8 @@
 //    keeps its host thread while it waits, so a wait that no block running on another
 //    host thread can end (with one host thread: any unset flag) fails the launch as
 //    the deadlock it would be on a GPU, where blocks need not run at once either.
+//    Options::slow_worker_us makes one host thread lag (a slow SM), so that blocks of
+//    the others overtake its blocks between their barriers.
 //  * Anything that would hang or be undefined on a GPU fails the launch with a
 //    message naming the kernel, the block and the threads: a barrier that only
 //    part of the block reaches, a collective that can never complete (a lane of its
@@ -87,8 +89,9 @@ void syncthreads(const char* file, int line);
 // collective (same kind, mask and call site).
 void warp_collective(Collective kind, unsigned mask, const char* file, int line,
                      const uint32_t* in, int in_words, uint32_t* out, int out_words);
-// Returns once *flag != 0 (an acquire load), set by another block. Fails the launch
-// when no other block is running that could set it, or after 60 s.
+// Returns once *flag != 0 (an acquire load), set by another block. Fails the launch when
+// every running block waits on an unset flag (nothing can set one any more), when
+// another block failed, or after 60 s.
 void wait_for_flag(const uint32_t* flag, const char* file, int line);
 // Fails the launch (an error found by a shim, e.g. a bad atomic address).
 [[noreturn]] void fail_thread(const char* what);

@@ -46,7 +46,7 @@ def emulating_cuda() -> bool:
 @contextlib.contextmanager
 def emulate_cuda(
     schedules: Sequence[str] = ("forward",), *, seed: int = 0, sm_count: int = 132,
-    host_threads: int = 0,
+    host_threads: int = 0, slow_worker_us: int = 0,
 ) -> Iterator[None]:
     """Run kvprune ops on CPU tensors through the CUDA kernels, emulated.
 
@@ -55,6 +55,9 @@ def emulate_cuda(
         each op runs under each and must give bitwise-equal results.
     sm_count: the SM count the launch heuristics see (an H100/H200 has 132).
     host_threads: host threads running blocks in parallel (0: one per CPU, at most 8).
+    slow_worker_us: > 0 makes the calling host thread a slow SM that sleeps this long when
+        the first thread of one of its blocks reaches a barrier and when the barrier opens, so
+        the other host threads' blocks overtake its blocks (ordering bugs between blocks show).
     """
     if not _C.build_info()["cuda_emulator"]:
         raise RuntimeError("this build of kvprune_cuda has no CUDA emulator "
@@ -70,7 +73,7 @@ def emulate_cuda(
         raise ValueError(f"seed must be >= 0, got {seed}")
 
     def use(code: int) -> None:
-        _C._set_cuda_emulation(True, code, seed, sm_count, host_threads)
+        _C._set_cuda_emulation(True, code, seed, sm_count, host_threads, slow_worker_us)
 
     if emulating_cuda():
         raise RuntimeError("emulate_cuda() is already active on this thread")
@@ -87,7 +90,7 @@ def emulate_cuda(
             with _CompareSchedules(list(schedules), codes, use):
                 yield
     finally:
-        _C._set_cuda_emulation(False, 0, 0, 132, 0)
+        _C._set_cuda_emulation(False, 0, 0, 132, 0, 0)
         torch.utils.deterministic.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 

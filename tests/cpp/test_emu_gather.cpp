@@ -166,7 +166,7 @@ void compact_case(const Cmp& s) {
   p.length = s.block_size > 0 ? per_row * s.block_size : s.N;
   p.budget = s.budget;
   p.head_dim = s.D;
-  std::vector<uint32_t> ws(emu::compact_kv_workspace_bytes_cuda(p) / sizeof(uint32_t) + 1);
+  std::vector<uint32_t> ws(emu::compact_kv_workspace_bytes_cuda(p) / sizeof(uint32_t));  // exact
   c.run([&] { return kvprune::compact_kv_cpu(p, nullptr, 0, kSerial); },
         [&] { return emu::compact_kv_cuda(p, ws.data(), ws.size() * sizeof(uint32_t), nullptr); });
 }
@@ -209,8 +209,8 @@ void gather_cases() {
                    .expect("move_kept_kernel<uint2>"));
   compact_case(Cmp("compact dense fp16 D=5 2B vectors sinks+recent", f16, 2, 2, 70, 25, 5).streaming()
                    .expect("move_kept_kernel<short unsigned int>"));
-  // Rows of several slabs (1024 tokens each for 16-byte vectors, 256 for 1-byte ones), most
-  // tokens kept: a slab's sources lie in the next slab, which must wait for its reads.
+  // Rows of several slabs (1024 tokens each for 16-byte vectors; 256 for the 1-byte vectors of
+  // a 7-byte row), most tokens kept: a slab's sources lie in the next slab, which must wait.
   compact_case(Cmp("compact paged bf16 D=64 3 slabs random kept", bf16, 2, 2, 3000, 2600, 64).paged(16)
                    .expect("move_kept_kernel<uint4>").expect("count_kept_kernel"));
   compact_case(Cmp("compact dense fp8 e5m2 D=7 4 slabs sinks+recent", DType::kFloat8E5M2, 1, 3, 1100, 900, 7)

@@ -37,10 +37,10 @@ std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
 
 // Runs `emulated` (which writes into `out`) under the forward and reverse schedules.
 template <typename T>
-int run_schedules(std::vector<T>& out, const std::function<Status()>& emulated) {
+int run_schedules(std::vector<T>& out, const std::function<Status()>& emulated,
+                  kvprune::emu::Options options = {}) {
   std::vector<T> first;
   for (auto schedule : {kvprune::emu::Schedule::kForward, kvprune::emu::Schedule::kReverse}) {
-    kvprune::emu::Options options;
     options.schedule = schedule;
     kvprune::emu::set_options(options);
     std::memset(out.data(), 0x7f, out.size() * sizeof(T));  // poison
@@ -171,13 +171,18 @@ int compact_kv() {
     p.v = {v.data(), heads * n * d, n * d, d};
   };
   std::vector<float> k(k0.size()), v(v0.size());
+  // Two host threads, the caller's a slow SM: while its block of slab 0 stalls at a barrier,
+  // the other thread's block of slab 1 of the same row may store only after slab 0's loads.
+  kvprune::emu::Options options;
+  options.host_threads = 2;
+  options.slow_worker_us = 20000;
   const int status = run_schedules(k, [&] {
     k = k0;
     v = v0;
     point_at(k, v);
     std::vector<char> ws(kvprune::emu::compact_kv_workspace_bytes_cuda(p));
     return kvprune::emu::compact_kv_cuda(p, ws.data(), ws.size(), nullptr);
-  });
+  }, options);
   if (status != 0) return status;
   std::vector<float> k_cpu = k0, v_cpu = v0;
   point_at(k_cpu, v_cpu);

@@ -53,6 +53,19 @@ MUTANTS = [
      "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n",
      "",
      "compact_kv", r"waits at compact_kv\.cu:\d+ on a flag"),
+    ("a compaction slab that stores without waiting for the earlier slabs' loads",
+     "csrc/cuda/compact_kv.cu",
+     "  for (int64_t earlier = threadIdx.x; earlier < slab; earlier += kBlock)\n"
+     "    simt::wait_flag(flags + earlier);\n",
+     "",
+     "compact_kv", r"race: the forward and reverse schedules|wrong: the compacted K/V differ"),
+    ("a compaction slab that sets its flag before the block's loads are done",
+     "csrc/cuda/compact_kv.cu",
+     "  __syncthreads();  // every read of the slab happens before any write of it\n"
+     "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n",
+     "  if (threadIdx.x == 0) simt::set_flag(flags + slab);\n"
+     "  __syncthreads();  // every read of the slab happens before any write of it\n",
+     "compact_kv", r"race: the forward and reverse schedules|wrong: the compacted K/V differ"),
     ("store one element past the end (pool_scores bound j >= length -> j > length)",
      "csrc/cuda/pool_scores.cu",
      "if (j >= a.length) break;",
