@@ -122,7 +122,9 @@ def needle_spans(sample, text: str) -> dict:
     """Character spans of the asked needles' values and keys and the other needles' values."""
     m = sample.meta
     spans = {"value": [], "key": [], "others": []}
-    for needle, key, val in zip(m["needles"], m["keys"], m["values"]):
+    # niah_multivalue hides one key with several values: every needle carries that key.
+    keys = m["keys"] if len(m["keys"]) == len(m["needles"]) else m["keys"][:1] * len(m["needles"])
+    for needle, key, val in zip(m["needles"], keys, m["values"]):
         at = text.index(needle)
         v0 = at + needle.rindex(val)
         span = (v0, v0 + len(val))

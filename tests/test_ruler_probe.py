@@ -53,3 +53,18 @@ def test_last_token_group_answers_as_generate_on_the_whole_prompt():
     with torch.no_grad():
         want = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(got[0], want[0, prompt.shape[1]:])
+
+
+def test_needle_spans_of_multivalue_cover_every_value_and_key():
+    """niah_multivalue hides one key with four values: all four values (and the key in each
+    needle) are the asked needle's, none are "others"."""
+    import ruler_tasks as rt
+    needles = [f"One of the special magic numbers for sharp-tunnel is: {v}." for v in ("111", "222", "333")]
+    text = "Prose. " + " Prose. ".join(needles) + " End."
+    sample = rt.Sample("niah_multivalue", 0, text, "q", "a", ["111", "222", "333"],
+                       {"keys": ["sharp-tunnel"], "values": ["111", "222", "333"],
+                        "asked": ["sharp-tunnel"], "needles": needles})
+    spans = rp.needle_spans(sample, text)
+    assert [text[a:b] for a, b in spans["value"]] == ["111", "222", "333"]
+    assert [text[a:b] for a, b in spans["key"]] == ["sharp-tunnel"] * 3
+    assert spans["others"] == []
