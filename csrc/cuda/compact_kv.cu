@@ -59,16 +59,25 @@ struct Split {
     slabs = ceil_div<int64_t>(p.budget, slab_tokens);
   }
   int64_t parts() const { return slabs * rows * groups_per_row; }
-  // Workspace words: [0] the part counter, [1, 1 + rows) kept per row, then one flag per part.
+  // Workspace words: the part counter, kept per row, one flag per part.
   int64_t words() const { return 1 + rows + parts(); }
+};
+
+// The workspace, cut as Split::words() says.
+struct Workspace {
+  uint32_t* counter;  // [1] parts started so far
+  uint32_t* kept;     // [rows] kept tokens per row
+  uint32_t* flags;    // [rows, groups_per_row, slabs] 1 once the part has loaded its sources
+
+  Workspace(void* words, int64_t rows)
+      : counter(static_cast<uint32_t*>(words)), kept(counter + 1), flags(kept + rows) {}
 };
 
 struct CountArgs {
   const int32_t* keep_idx;  // [rows, budget]
   int32_t* new_seq_lens;    // out [batch], or null
-  uint32_t* workspace;      // out: Split::words() words
+  Workspace ws;             // out: counter 0, kept, flags 0
   int64_t heads;
-  int64_t rows;
   int64_t budget;
   int64_t flags_per_row;    // groups_per_row * slabs
 };
@@ -85,13 +94,13 @@ __global__ __launch_bounds__(kCountBlock) void count_kept_kernel(CountArgs a) {
       break;  // this thread's later slots are further on
     }
   }
-  uint32_t* flags = a.workspace + 1 + a.rows + row * a.flags_per_row;
+  uint32_t* flags = a.ws.flags + row * a.flags_per_row;
   for (int64_t i = threadIdx.x; i < a.flags_per_row; i += kCountBlock) flags[i] = 0;
   __syncthreads();
   if (threadIdx.x == 0) {
     const int64_t kept = static_cast<int64_t>(first_pad[0]);
-    a.workspace[1 + row] = static_cast<uint32_t>(kept);
-    if (row == 0) a.workspace[0] = 0;
+    a.ws.kept[row] = static_cast<uint32_t>(kept);
+    if (row == 0) a.ws.counter[0] = 0;
     if (a.new_seq_lens != nullptr && row % a.heads == 0)
       a.new_seq_lens[row / a.heads] = static_cast<int32_t>(kept);
   }
@@ -102,7 +111,7 @@ struct MoveArgs {
   MutableTokens v;           // in/out [batch, heads, length, head_dim], dense or paged
   int64_t element_size;      // bytes
   const int32_t* keep_idx;   // [rows, budget]
-  uint32_t* workspace;       // Split::words() words, as count_kept_kernel left them
+  Workspace ws;              // as count_kept_kernel left it
   int64_t heads;
   int64_t rows;
   int64_t budget;
@@ -117,7 +126,7 @@ template <typename Vec>
 __global__ __launch_bounds__(kBlock) void move_kept_kernel(MoveArgs a) {
   using Reg = std::conditional_t<(sizeof(Vec) < 4), unsigned int, Vec>;  // no byte registers
   KVPRUNE_SHARED(uint32_t, part_shared, [1]);
-  if (threadIdx.x == 0) part_shared[0] = atomicAdd(a.workspace, 1u);
+  if (threadIdx.x == 0) part_shared[0] = atomicAdd(a.ws.counter, 1u);
   __syncthreads();
   const int64_t part = part_shared[0];
   const int64_t row_groups = a.rows * a.groups_per_row;
@@ -127,11 +136,11 @@ __global__ __launch_bounds__(kBlock) void move_kept_kernel(MoveArgs a) {
   const int group_mask = (1 << a.group_shift) - 1;
   const int64_t b = row / a.heads, h = row % a.heads;
   const int32_t* idx = a.keep_idx + row * a.budget;
-  const int64_t kept = a.workspace[1 + row];
+  const int64_t kept = a.ws.kept[row];
   const int64_t t0 = slab * a.slab_tokens;
   // Nothing to move: no part waits on this one (they all start at or after t0, too).
   if (t0 >= kept) return;
-  uint32_t* flags = a.workspace + 1 + a.rows + (part % row_groups) * a.slabs;  // [slabs]
+  uint32_t* flags = a.ws.flags + (part % row_groups) * a.slabs;  // [slabs] of this (row, group)
   // Vector u of token t of row (b, h) in x.
   const auto at = [&](const MutableTokens& x, int64_t t, int u) {
     return reinterpret_cast<Vec*>(static_cast<char*>(x.data) + token_offset(x, b, h, t) * a.element_size) + u;
@@ -215,13 +224,13 @@ Status compact_kv_cuda(const CompactKvParams& p, void* workspace, size_t workspa
   if (split.vecs_per_row > INT32_MAX - kGroupBytes) return Status::kUnsupportedHeadDim;
   if (split.rows > cuda_detail::kMaxGridBlocks || split.parts() > cuda_detail::kMaxGridBlocks)
     return Status::kInvalidArgument;
-  auto* words = static_cast<uint32_t*>(workspace);
-  const CountArgs count{p.keep_idx, p.new_seq_lens, words, p.heads, split.rows, p.budget,
+  const Workspace ws(workspace, split.rows);
+  const CountArgs count{p.keep_idx, p.new_seq_lens, ws, p.heads, p.budget,
                         split.groups_per_row * split.slabs};
   simt::launch<count_kept_kernel>(static_cast<unsigned>(split.rows), kCountBlock, 0, stream, count);
   // The moves index the flags by the counter it resets: never launch them after a failed count.
   if (auto s = cuda_detail::launch_status(); s != Status::kOk) return s;
-  const MoveArgs moves{p.k, p.v, element_size, p.keep_idx, words, p.heads, split.rows, p.budget,
+  const MoveArgs moves{p.k, p.v, element_size, p.keep_idx, ws, p.heads, split.rows, p.budget,
                        static_cast<int>(split.vecs_per_row), split.group_shift,
                        static_cast<int>(split.groups_per_row), split.slab_tokens, split.slabs};
   const auto blocks = static_cast<unsigned>(split.parts());
