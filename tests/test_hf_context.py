@@ -21,7 +21,6 @@ import kvprune_cuda as kp  # noqa: E402
 from helpers import HAS_CUDA  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402
 from kvprune_cuda.hf import reconstruct  # noqa: E402
-from kvprune_cuda.hf import reconstruct  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
 from kvprune_cuda.hf.ragged_layer import RaggedLayer  # noqa: E402
 from kvprune_cuda.hf.reconstruct import RepeatPrompt  # noqa: E402
@@ -213,6 +212,28 @@ def test_kvzip_keeps_reference_selection(model, gen, chunk_size, skip):
     # the selection is not one a query-agnostic shortcut would make
     assert not all(torch.equal(i, ref.streaming_indices(1, HKV, N, BUDGET, n_sink=SINKS))
                    for i in idx)
+
+
+@pytest.mark.parametrize("novelty", [0.5, 1.0])
+def test_kvzip_novelty_keeps_each_heads_most_novel_keys_first(model, gen, novelty):
+    """KVzip(novelty=f): the f * budget keys of each head least like the head's mean unit key
+    (computed here in float64 from the full cache) go first, the rest by the maxima."""
+    ctx = _ids(gen, 1, N)
+    full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, "kvzip", novelty=novelty)
+    count = int(novelty * BUDGET)
+    idx = []
+    for i, s in enumerate(scores):
+        k = hf.cache_kv(full, i)[0].double()
+        unit = k / k.norm(dim=-1, keepdim=True)
+        mean = unit.mean(2, keepdim=True)
+        novel = -(unit * mean).sum(-1) / mean.norm(dim=-1)  # [1, Hkv, N]
+        bonus = torch.zeros_like(s).scatter_(-1, novel.topk(count, -1).indices, 1.0)
+        idx.append(ref.select_keep(s + bonus, BUDGET, n_sink=SINKS, window=W))
+    _assert_layers(kvc.cache(), full, idx)
+    plain = [ref.select_keep(s, BUDGET, n_sink=SINKS, window=W) for s in scores]
+    assert any(not torch.equal(a, b) for a, b in zip(idx, plain))  # the reservation changed it
 
 
 @pytest.mark.parametrize("policy", ["kvzip", "kvzip-all", "snapkv", "h2o"])

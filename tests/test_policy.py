@@ -71,3 +71,32 @@ def test_kvzip_ranks_its_maxima_as_recorded_unless_it_pools_them():
         kp.policy.KVzip(kernel_size=3, pool_shift=2)
     with pytest.raises(TypeError, match="kernel_size"):
         kp.policy.KVzip(kernel_size=3.0)
+
+
+def test_key_novelty_is_minus_the_cosine_to_the_heads_mean_direction():
+    # three keys along x, one along y: the mean unit key is (0.75, 0.25), direction (3, 1)/sqrt(10)
+    keys = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.5, 0.0], [0.0, 3.0]]).view(1, 1, 4, 2)
+    got = kp.policy.novelty.key_novelty(keys)[0, 0].tolist()
+    x, y = -3 / 10 ** 0.5, -1 / 10 ** 0.5
+    assert got == pytest.approx([x, x, x, y])
+    # a key opposite to the others: the mean direction is theirs, novelty 1 against -1
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [-1.0, 0.0]]).view(1, 1, 4, 2)
+    assert kp.policy.novelty.key_novelty(keys)[0, 0].tolist() == pytest.approx([-1, -1, -1, 1])
+
+
+def test_kvzip_novelty_reserves_a_share_of_the_budget_for_the_most_novel_keys():
+    recorded = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.0, 0.0, 0.0]).view(1, 1, -1)
+    # six keys along x, one along y and one opposite: the last two are the most novel
+    keys = torch.tensor([[1.0, 0.0]] * 6 + [[0.0, 1.0], [-1.0, 0.0]]).view(1, 1, 8, 2)
+    p = kp.policy.KVzip(budget=4, n_sink=0, novelty=0.5)  # 4 kept, 2 of them the most novel
+    got = p.rank_recorded(recorded, keys)
+    assert got.topk(4, -1).indices[0, 0].sort().values.tolist() == [0, 1, 6, 7]
+    assert got[0, 0, :6].tolist() == pytest.approx(recorded[0, 0, :6].tolist())  # the rest as recorded
+    assert p.rank_recorded(recorded, keys).topk(2, -1).indices[0, 0].sort().values.tolist() == [6, 7]
+    # novelty 0: the maxima alone; the keys are not needed
+    assert kp.policy.KVzip(budget=4, n_sink=0).rank_recorded(recorded) is recorded
+    with pytest.raises(ValueError, match="keys"):
+        p.rank_recorded(recorded)
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="novelty"):
+            kp.policy.KVzip(novelty=bad)

@@ -154,10 +154,10 @@ def selection_scores(st: LayerState, policy: "policies.Policy", k: torch.Tensor,
     """fp32 [B, Hkv, n]: the scores ``policy`` ranks a layer's uncompressed keys by: the window
     queries' pooled vote (snapkv), recency (streaming), computed now from ``k`` [B, Hkv, n, D]
     (rows valid up to ``seq_lens``, right padding; None: all); from the evidence
-    :data:`RECORDED` over the forwards (h2o, kvzip: :meth:`Policy.rank_recorded`), in the
-    cache's own layout (``k`` unused)."""
+    :data:`RECORDED` over the forwards (h2o, kvzip: :meth:`Policy.rank_recorded`, which
+    also gets ``k``), in the cache's own layout."""
     if policy.evidence == "window_queries":
         return policy.score(window_queries(st, policy, layer), k, seq_lens=seq_lens)
     if policy.evidence in RECORDED:
-        return policy.rank_recorded(recorded_evidence(st, policy, layer))
+        return policy.rank_recorded(recorded_evidence(st, policy, layer), k)
     return policy.score(None, k, seq_lens=seq_lens)

@@ -57,6 +57,7 @@ class Options:
     pool_shift: Optional[int] = None
     chunk_size: Optional[int] = None
     softmax: Optional[str] = None
+    novelty: Optional[float] = None
 
     def given(self) -> dict:
         """The options set (not None)."""
@@ -117,10 +118,12 @@ class Policy:
         ``queries`` [B, Hq, q, D] the policy observed."""
         raise NotImplementedError(f"policy {self.name!r} does not score keys")
 
-    def rank_recorded(self, recorded: torch.Tensor) -> torch.Tensor:
+    def rank_recorded(self, recorded: torch.Tensor,
+                      keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 ``[B, Hkv, n]``: the scores ranked from the evidence an integration recorded
         over forwards (``recorded``, fp32 ``[B, Hkv, n]``: the "attention" sums, the
-        "reconstruction" maxima); as recorded unless a policy pools or reweighs them."""
+        "reconstruction" maxima) and, for a policy that reads them too, the layer's ``keys``
+        [B, Hkv, n, D]; as recorded unless a policy pools or reweighs them."""
         return recorded
 
     def select(self, queries: Optional[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,

@@ -10,6 +10,7 @@ import torch
 from kvprune_cuda._ops import window_scores
 from kvprune_cuda._args import check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
+from kvprune_cuda.policy.novelty import reserve_novel
 from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.registry import register
 
@@ -25,7 +26,10 @@ class KVzip(Policy):
     default (``window=0``), as KVzip does. ``kernel_size`` > 1 pools the maxima before they
     are ranked, as SnapKV pools its votes (``pool``, ``pool_shift``:
     :func:`~kvprune_cuda.policy.pooling.shifted_pool`); 1, the default, ranks them as they
-    are. Only kp.hf.compress_context runs it."""
+    are. ``novelty``: the share of each head's budget that goes first to its most novel keys
+    (KeyDiff: the keys least like the head's mean key,
+    :func:`~kvprune_cuda.policy.novelty.key_novelty`), the rest by the maxima. Only
+    kp.hf.compress_context runs it."""
 
     name: ClassVar[str] = "kvzip"
     evidence: ClassVar[str] = "reconstruction"
@@ -37,6 +41,7 @@ class KVzip(Policy):
     kernel_size: int = 1
     pool: str = "max"
     pool_shift: int = 0
+    novelty: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,11 +51,22 @@ class KVzip(Policy):
         check_int("kernel_size", self.kernel_size, 1)
         check_str("pool", self.pool, ("max", "avg"))
         check_shift(self.pool_shift, self.kernel_size)
+        if (isinstance(self.novelty, bool) or not isinstance(self.novelty, (int, float))
+                or not 0.0 <= self.novelty <= 1.0):
+            raise ValueError(f"novelty: expected a share of the budget in [0, 1], got "
+                             f"{self.novelty!r}")
 
-    def rank_recorded(self, recorded: torch.Tensor) -> torch.Tensor:
-        if self.kernel_size == 1:
-            return recorded
-        return shifted_pool(recorded, self.kernel_size, self.pool, self.pool_shift, self.window)
+    def rank_recorded(self, recorded: torch.Tensor,
+                      keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+        s = recorded
+        if self.kernel_size > 1:
+            s = shifted_pool(recorded, self.kernel_size, self.pool, self.pool_shift, self.window)
+        if self.novelty == 0.0:
+            return s
+        if keys is None:
+            raise ValueError(f"keys: kvzip with novelty = {self.novelty} ranks the keys too")
+        count = int(self.novelty * self.kept_tokens(recorded.shape[-1]))
+        return reserve_novel(s, keys, count)
 
     def score(self, queries, keys, *, scale=None, seq_lens=None, lse=None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
