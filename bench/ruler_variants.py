@@ -43,8 +43,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_ruler as er  # noqa: E402
+import ruler_tasks as rt  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda.policy.novelty import key_novelty  # noqa: E402
 
 
 def _prefix_pool(s: torch.Tensor, window: int, before: int, after: int) -> torch.Tensor:
@@ -136,13 +138,119 @@ class KVzipStride(kp.policy.KVzip):
     name: ClassVar[str] = "kvzip_stride"
     stride: int = 32
 
-    def rank_recorded(self, recorded):
+    def rank_recorded(self, recorded, keys=None):
         s = super().rank_recorded(recorded).clone()
         s[..., ::self.stride] += 1e3  # above any maximum: a probability <= 1
         return s
 
 
-for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, KVzipStride):
+@dataclass(frozen=True)
+class KeyDiff(kp.policy.Policy):
+    """KeyDiff (query-agnostic, no forward of its own): the keys least like their head's mean
+    key, ``kernel_size`` > 1 max-pooled."""
+
+    name: ClassVar[str] = "keydiff"
+    kernel_size: int = 1
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None):
+        s = key_novelty(keys)
+        return s if self.kernel_size == 1 else kp.pool_scores(s, self.kernel_size, "max")
+
+
+@dataclass(frozen=True)
+class KVzipKeyDiff(kp.policy.KVzip):
+    """kvzip whose every head first keeps its ``share`` (of the context) most novel keys
+    (:func:`kvprune_cuda.policy.novelty.key_novelty`, max-pooled over ``novelty_kernel``),
+    the rest of the budget by the reconstruction maxima. The library's ``KVzip(novelty=f)``
+    is the unpooled case with the share a fraction of the budget."""
+
+    name: ClassVar[str] = "kvzip_keydiff"
+    share: float = 0.08
+    novelty_kernel: int = 1
+
+    def rank_recorded(self, recorded, keys=None):
+        s = super().rank_recorded(recorded).clone()
+        nov = key_novelty(keys)
+        if self.novelty_kernel > 1:
+            nov = kp.pool_scores(nov, self.novelty_kernel, "max")
+        top = max(1, int(self.share * nov.shape[-1]))
+        s[nov >= nov.topk(top, -1).values[..., -1:]] += 1e3  # above any maximum (<= 1)
+        return s
+
+
+@dataclass(frozen=True)
+class KVzipNoveltyBoost(kp.policy.KVzip):
+    """kvzip whose maxima are multiplied by ``1 + beta * r``, ``r`` a key's novelty
+    percentile within its head (0 the least novel, 1 the most): novel keys move up inside a
+    head while the heads' budgets still follow the maxima (a reservation takes the same count
+    from every head)."""
+
+    name: ClassVar[str] = "kvzip_boost"
+    beta: float = 1.0
+
+    def rank_recorded(self, recorded, keys=None):
+        s = super().rank_recorded(recorded)
+        nov = key_novelty(keys)
+        r = nov.argsort(-1).argsort(-1).float() / max(nov.shape[-1] - 1, 1)
+        return s * (1.0 + self.beta * r)
+
+
+# A generic question asked of every context before it is compressed: its queries vote as
+# SnapKV's window does on the real question (query-agnostic: the same text for every context).
+PROBE_QUESTION = ("List every important detail of the text above, such as names, numbers, "
+                  "codes and identifiers.")
+_PROBE: dict = {}  # layer -> the probe question's post-RoPE queries [B, Hq, W, D] (this sample)
+
+
+@dataclass(frozen=True)
+class KVzipProbe(kp.policy.KVzip):
+    """Query-agnostic SnapKV: a key's score is the vote of PROBE_QUESTION's queries (asked
+    after the context, then dropped), max-pooled as the query-aware default pools (49 wide,
+    shifted 16); with ``share`` > 0, kvzip whose every head first keeps its ``share`` best
+    voted keys, the rest by the reconstruction maxima."""
+
+    name: ClassVar[str] = "kvzip_probe"
+    share: float = 0.0
+
+    def rank_with_probe(self, recorded, keys, layer):
+        votes = kp.window_scores(_PROBE[layer], keys, gqa="mean")
+        votes = kp.policy.pooling.shifted_pool(votes, 49, "max", 16, 0)
+        if self.share == 0.0:
+            return votes
+        s = super().rank_recorded(recorded).clone()
+        top = max(1, int(self.share * votes.shape[-1]))
+        s[votes >= votes.topk(top, -1).values[..., -1:]] += 1e3
+        return s
+
+
+def record_probe(sc, tok) -> None:
+    """Asks PROBE_QUESTION after the context of ``sc`` (a ScoredContext) and keeps its queries
+    per layer in ``_PROBE`` (the extension itself is dropped)."""
+    _, post = rt.template_parts(tok)
+    ids = torch.tensor([tok("\n" + PROBE_QUESTION + post, add_special_tokens=False).input_ids])
+    saved = sc.policies
+    sc.policies = [kp.policy.make("snapkv", window=ids.shape[1])]
+    try:
+        ext = sc.extend(ids)
+    finally:
+        sc.policies = saved
+    _PROBE.clear()
+    _PROBE.update({i: st.queries for i, st in enumerate(ext._state["layers"])})
+
+
+_selection_scores = kp.hf.scoring.selection_scores
+
+
+def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
+    if isinstance(policy, KVzipProbe):
+        return policy.rank_with_probe(kp.hf.scoring.recorded_evidence(st, policy, layer), k, layer)
+    return _selection_scores(st, policy, k, layer, seq_lens=seq_lens)
+
+
+kp.hf.scoring.selection_scores = _selection_scores_with_probe
+
+for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, KVzipStride, KeyDiff,
+             KVzipKeyDiff, KVzipNoveltyBoost, KVzipProbe):
     kp.policy.register(_cls)
 
 W = 32  # the library's default window: every setting names its own (the run records --window)
@@ -178,10 +286,27 @@ KVZIP_VARIANTS = {
     "kz-global-p15": ("global", {"kernel_size": 15}),
     "kz-head-stride32": ("head", {"stride": 32}),
     "kz-head-stride16": ("head", {"stride": 16}),
+    "kzkd-head-f8": ("head", {"share": 0.08}),
+    "kzkd-head-f4": ("head", {"share": 0.04}),
+    "kzkd-head-f8p7": ("head", {"share": 0.08, "novelty_kernel": 7}),
+    "kzkd-head-h50": ("head", {"novelty": 0.5}),
+    "kzkd-head-h75": ("head", {"novelty": 0.75}),
+    "kzkd-head-h25": ("head", {"novelty": 0.25}),
+    "kzkd-layer-h50": ("layer", {"novelty": 0.5}),
+    "kzkd-layer-h25": ("layer", {"novelty": 0.25}),
+    "kzkd-global-h50": ("global", {"novelty": 0.5}),
+    "kzmb-head-b1": ("head", {"beta": 1.0}),
+    "kzmb-head-b4": ("head", {"beta": 4.0}),
+    "pq-layer": ("layer", {"probe": 0.0}),
+    "pq-head": ("head", {"probe": 0.0}),
+    "pqkz-head-f8": ("head", {"probe": 0.08}),
 }
 for _name, (_policy, _options) in VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, None)
     er.OPTIONS[_name] = _options
+for _name, _kernel in (("kd-layer", 1), ("kd-layer-p7", 7)):
+    er.SETTINGS[_name] = ("agnostic", "keydiff", "layer")
+    er.OPTIONS[_name] = {"kernel_size": _kernel, "window": 0}
 for _name, (_scope, _options) in KVZIP_VARIANTS.items():
     er.SETTINGS[_name] = ("agnostic", "kvzip", _scope)
     er.OPTIONS[_name] = _options
@@ -190,13 +315,33 @@ _kvzip_setting_policy = er._setting_policy
 
 def _setting_policy(setting: str, args):
     """kvzip settings with a ``stride`` rank by KVzipStride (the sample's kvzip reconstruction)."""
-    stride = KVZIP_VARIANTS.get(setting, (None, {}))[1].get("stride")
-    if stride is None:
-        return _kvzip_setting_policy(setting, args)
-    return kp.policy.make(KVzipStride(stride=stride), **vars(_kvzip_setting_policy("kvzip-head", args)))
+    options = KVZIP_VARIANTS.get(setting, (None, {}))[1]
+    base = lambda: vars(_kvzip_setting_policy("kvzip-head", args))  # noqa: E731
+    if "stride" in options:
+        return kp.policy.make(KVzipStride(stride=options["stride"]), **base())
+    if "share" in options:
+        return kp.policy.make(KVzipKeyDiff(**options), **base())
+    if "beta" in options:
+        return kp.policy.make(KVzipNoveltyBoost(beta=options["beta"]), **base())
+    if "probe" in options:
+        return kp.policy.make(KVzipProbe(share=options["probe"]), **base())
+    return _kvzip_setting_policy(setting, args)
 
 
 er._setting_policy = _setting_policy
+_plain_scored = er._scored
+
+
+def _scored(model, tok, ids, names, args):
+    """eval_ruler's scoring, plus the probe question's queries for the pq* settings when the
+    scoring is the context's (kvzip recorded)."""
+    sc, info = _plain_scored(model, tok, ids, names, args)
+    if "kvzip" in names and any(s.startswith("pq") for s in args.settings):
+        record_probe(sc, tok)
+    return sc, info
+
+
+er._scored = _scored
 for _name in ("snapkv-aware", "snapkv-aware-k15", "snapkv-aware-k31"):
     er.OPTIONS[_name] = {**er.OPTIONS.get(_name, {}), "window": W}
 
