@@ -433,6 +433,15 @@ def merge(parts: list) -> dict:
     return data
 
 
+def same_samples(data: dict, names: list) -> dict:
+    """``data`` with only full and the configs ``names``, on the samples where full and every
+    one of them ran (a comparison on the same samples)."""
+    keep = {"full", *names}
+    records = [{**r, "results": {k: v for k, v in r["results"].items() if k in keep}}
+               for r in data["records"] if keep <= set(r["results"])]
+    return {**data, "records": records}
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -813,6 +822,9 @@ def parse(argv=None):
                          "(a run in parts; --table merges the files)")
     ap.add_argument("--table", type=Path, nargs="+",
                     help="only print the tables of earlier --out files (and, with --out, write them merged)")
+    ap.add_argument("--configs", nargs="+", metavar="CONFIG",
+                    help="with --table: only full and these configs (e.g. kvzip-head@16%%), on "
+                         "the samples where all of them ran")
     ap.add_argument("--plot", type=Path, nargs="?", const=Path("bench/results/ruler.png"),
                     help="score vs budget per task family (PNG)")
     args = ap.parse_args(argv)
@@ -831,6 +843,8 @@ def main(argv=None) -> dict:
     args = parse(argv)
     if args.table:
         data = merge([json.loads(Path(f).read_text()) for f in args.table])
+        if args.configs:
+            data = same_samples(data, args.configs)
         print(table(data))
         if args.out:  # the study's parts as one file; its meta: this merge's run, the parts' under "merged"
             common.write_json(args.out, {**data, "meta": {}})

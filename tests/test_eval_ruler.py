@@ -439,3 +439,13 @@ def test_table_with_out_writes_the_parts_merged(tmp_path):
     data = json.loads(merged.read_text())
     assert [set(r["results"]) for r in data["records"]] == [{"full", "snapkv-aware@50%"}]
     assert len(data["merged"]) == 2  # the parts' meta, kept
+
+
+def test_table_of_configs_keeps_the_samples_they_all_ran():
+    r = lambda i, names: {"task": "vt", "index": i, "refs": ["A"],  # noqa: E731
+                          "results": {n: {"score": 1.0} for n in names}}
+    data = {"records": [r(0, ["full", "a@16%", "b@16%"]), r(1, ["full", "a@16%"]),
+                        r(2, ["a@16%", "b@16%"]), r(3, ["full", "a@16%", "b@16%", "c@16%"])]}
+    got = er.same_samples(data, ["a@16%", "b@16%"])
+    assert [(x["index"], sorted(x["results"])) for x in got["records"]] == [
+        (0, ["a@16%", "b@16%", "full"]), (3, ["a@16%", "b@16%", "full"])]
