@@ -21,7 +21,13 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting);
 * ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
   maxima max-pooled over K positions (shifted S later) before ranking;
-* ``kz-head-strideS``: kvzip-head with every S-th context token kept whatever its maximum.
+* ``kz-head-strideS``: kvzip-head with every S-th context token kept whatever its maximum;
+* ``kd-layer[-p7]``: KeyDiff alone (the keys least like their head's mean key, pooled over 7);
+* ``kzkd-SCOPE-hP``: the library's ``KVzip(novelty=P/100)``: P % of each head's budget to its
+  most novel keys first; ``kzkd-head-fF[p7]``: F % of the context instead (pooled over 7);
+* ``kzur-head-h50``: ``kzkd-head-h50`` with the novelty of the keys before RoPE;
+* ``pq-layer``: the votes of a generic question asked after the context (PROBE_QUESTION,
+  then dropped), pooled as the query-aware default.
 
     .venv/bin/python bench/ruler_variants.py --tokens 4096 --samples 2 --budgets 0.16 --dtype float32 \\
         --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k/variants.json
@@ -178,21 +184,30 @@ class KVzipKeyDiff(kp.policy.KVzip):
         return s
 
 
-@dataclass(frozen=True)
-class KVzipNoveltyBoost(kp.policy.KVzip):
-    """kvzip whose maxima are multiplied by ``1 + beta * r``, ``r`` a key's novelty
-    percentile within its head (0 the least novel, 1 the most): novel keys move up inside a
-    head while the heads' budgets still follow the maxima (a reservation takes the same count
-    from every head)."""
+ROPE_THETA = 1e6  # Qwen2.5's (config rope_parameters): KVzipUnroped undoes the rotation
 
-    name: ClassVar[str] = "kvzip_boost"
-    beta: float = 1.0
+
+def unroped(keys: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+    """``keys`` [B, H, n, D], rotated by the default (half-split) RoPE at positions 0..n-1,
+    rotated back: a token's key is then the same wherever it stands."""
+    d, n = keys.shape[-1], keys.shape[-2]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None]  # [n, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+    k = keys.float()
+    half = torch.cat([-k[..., d // 2:], k[..., :d // 2]], -1)
+    return k * cos - half * sin
+
+
+@dataclass(frozen=True)
+class KVzipUnroped(kp.policy.KVzip):
+    """The library's ``KVzip(novelty=f)`` with the novelty of the keys before RoPE (a phrase
+    repeated through the context then has one key, the mean's direction, and is not novel)."""
+
+    name: ClassVar[str] = "kvzip_unroped"
 
     def rank_recorded(self, recorded, keys=None):
-        s = super().rank_recorded(recorded)
-        nov = key_novelty(keys)
-        r = nov.argsort(-1).argsort(-1).float() / max(nov.shape[-1] - 1, 1)
-        return s * (1.0 + self.beta * r)
+        return super().rank_recorded(recorded, None if keys is None else unroped(keys))
 
 
 # A generic question asked of every context before it is compressed: its queries vote as
@@ -206,21 +221,13 @@ _PROBE: dict = {}  # layer -> the probe question's post-RoPE queries [B, Hq, W, 
 class KVzipProbe(kp.policy.KVzip):
     """Query-agnostic SnapKV: a key's score is the vote of PROBE_QUESTION's queries (asked
     after the context, then dropped), max-pooled as the query-aware default pools (49 wide,
-    shifted 16); with ``share`` > 0, kvzip whose every head first keeps its ``share`` best
-    voted keys, the rest by the reconstruction maxima."""
+    shifted 16). A KVzip only to share the sample's kvzip scoring run."""
 
     name: ClassVar[str] = "kvzip_probe"
-    share: float = 0.0
 
-    def rank_with_probe(self, recorded, keys, layer):
+    def rank_with_probe(self, keys, layer):
         votes = kp.window_scores(_PROBE[layer], keys, gqa="mean")
-        votes = kp.policy.pooling.shifted_pool(votes, 49, "max", 16, 0)
-        if self.share == 0.0:
-            return votes
-        s = super().rank_recorded(recorded).clone()
-        top = max(1, int(self.share * votes.shape[-1]))
-        s[votes >= votes.topk(top, -1).values[..., -1:]] += 1e3
-        return s
+        return kp.policy.pooling.shifted_pool(votes, 49, "max", 16, 0)
 
 
 def record_probe(sc, tok) -> None:
@@ -243,14 +250,14 @@ _selection_scores = kp.hf.scoring.selection_scores
 
 def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
     if isinstance(policy, KVzipProbe):
-        return policy.rank_with_probe(kp.hf.scoring.recorded_evidence(st, policy, layer), k, layer)
+        return policy.rank_with_probe(k, layer)
     return _selection_scores(st, policy, k, layer, seq_lens=seq_lens)
 
 
 kp.hf.scoring.selection_scores = _selection_scores_with_probe
 
 for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, KVzipStride, KeyDiff,
-             KVzipKeyDiff, KVzipNoveltyBoost, KVzipProbe):
+             KVzipKeyDiff, KVzipUnroped, KVzipProbe):
     kp.policy.register(_cls)
 
 W = 32  # the library's default window: every setting names its own (the run records --window)
@@ -295,11 +302,8 @@ KVZIP_VARIANTS = {
     "kzkd-layer-h50": ("layer", {"novelty": 0.5}),
     "kzkd-layer-h25": ("layer", {"novelty": 0.25}),
     "kzkd-global-h50": ("global", {"novelty": 0.5}),
-    "kzmb-head-b1": ("head", {"beta": 1.0}),
-    "kzmb-head-b4": ("head", {"beta": 4.0}),
-    "pq-layer": ("layer", {"probe": 0.0}),
-    "pq-head": ("head", {"probe": 0.0}),
-    "pqkz-head-f8": ("head", {"probe": 0.08}),
+    "kzur-head-h50": ("head", {"unroped": 0.5}),
+    "pq-layer": ("layer", {"probe": True}),
 }
 for _name, (_policy, _options) in VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, None)
@@ -321,10 +325,10 @@ def _setting_policy(setting: str, args):
         return kp.policy.make(KVzipStride(stride=options["stride"]), **base())
     if "share" in options:
         return kp.policy.make(KVzipKeyDiff(**options), **base())
-    if "beta" in options:
-        return kp.policy.make(KVzipNoveltyBoost(beta=options["beta"]), **base())
+    if "unroped" in options:
+        return kp.policy.make(KVzipUnroped(novelty=options["unroped"]), **base())
     if "probe" in options:
-        return kp.policy.make(KVzipProbe(share=options["probe"]), **base())
+        return kp.policy.make(KVzipProbe(), **base())
     return _kvzip_setting_policy(setting, args)
 
 
