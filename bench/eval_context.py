@@ -67,6 +67,7 @@ def our_policies(args) -> dict:
     --chunk-size, --kvzip-softmax; window --window, kvzip's --kvzip-window."""
     return {name: kp.policy.make(name, n_sink=args.n_sink, kernel_size=args.kernel_size,
                                  chunk_size=args.chunk_size, softmax=args.kvzip_softmax,
+                                 novelty=args.kvzip_novelty,
                                  window=args.kvzip_window if name == "kvzip" else args.window)
             for name in ("streaming", "snapkv", "h2o", "kvzip")}
 
@@ -74,12 +75,15 @@ def our_policies(args) -> dict:
 def selected(methods, args):
     """``methods`` ((policy, scope) pairs) that ``--policies`` names; "full" always."""
     return [m for m in methods
-            if m[0] == "full" or name_of(*m, softmax=args.kvzip_softmax) in args.policies]
+            if m[0] == "full" or name_of(*m, softmax=args.kvzip_softmax,
+                                         novelty=args.kvzip_novelty) in args.policies]
 
 
-def name_of(policy, scope, frac=None, softmax="chunk"):
-    """E.g. "kvzip-head@10%"; kvzip scored with softmax "all" is "kvzip-all..."."""
+def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0):
+    """E.g. "kvzip-head@10%"; kvzip scored with softmax "all" is "kvzip-all...", with
+    ``novelty=0.5`` "kvzip-nov50..."."""
     base = policy + ("-all" if policy == "kvzip" and softmax == "all" else "")
+    base += f"-nov{int(round(novelty * 100))}" if policy == "kvzip" and novelty else ""
     base += "" if scope == "layer" else f"-{scope}"
     return base if frac is None else f"{base}@{int(round(frac * 100))}%"
 
@@ -102,7 +106,8 @@ def timed_scope(args):
     """The budget scope of the kvzip that --time-trials times: the first of head, global, layer
     that --policies runs (None: none)."""
     return next((sc for sc in ("head", "global", "layer")
-                 if name_of("kvzip", sc, None, args.kvzip_softmax) in args.policies), None)
+                 if name_of("kvzip", sc, None, args.kvzip_softmax, args.kvzip_novelty)
+                 in args.policies), None)
 
 
 def ratio_for(kb, n):
@@ -183,7 +188,7 @@ def run_trial(model, tok, ctx, qst, key, args, kvz):
     record("full", scored.compress(policy="full"))
     for frac in args.budgets if ours else ():
         for pol, scope in methods:
-            record(name_of(pol, scope, frac, args.kvzip_softmax),
+            record(name_of(pol, scope, frac, args.kvzip_softmax, args.kvzip_novelty),
                    scored.compress(frac, scope, policy=pols[pol]))
         if press_snapkv:
             kb = kp.hf.resolve_budget(frac, n)
@@ -229,7 +234,8 @@ def time_ours(model, tok, ctx, qst, key, args):
                                                               n_sink=args.n_sink, window=args.kvzip_window,
                                                               chunk_size=args.chunk_size,
                                                               budget_scope=timed_scope(args),
-                                                              softmax=args.kvzip_softmax)),
+                                                              softmax=args.kvzip_softmax,
+                                                              novelty=args.kvzip_novelty)),
                      ("snapkv", lambda: kp.hf.compress_context(model, ctx, "snapkv", 0.2,
                                                                n_sink=args.n_sink, window=args.window,
                                                                kernel_size=args.kernel_size))]:
@@ -277,14 +283,15 @@ def multi_question(model, tok, novels, rng, args):
                                      budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
                                      window=args.kvzip_window if pol == "kvzip" else args.window,
                                      kernel_size=args.kernel_size, softmax=args.kvzip_softmax,
-                                     chunk_size=args.chunk_size)
+                                     novelty=args.kvzip_novelty, chunk_size=args.chunk_size)
         answers = {}
         for c in COLORS:
             g = kvc.generate(qs[c], max_new_tokens=args.gen_steps, do_sample=False,
                              pad_token_id=tok.pad_token_id)
             text = tok.decode(g[0, qs[c].shape[1]:])
             answers[c] = {"text": text, "hit": keys[c] in text}
-        out["methods"][name_of(pol, scope, None if pol == "full" else frac, args.kvzip_softmax)] = {
+        out["methods"][name_of(pol, scope, None if pol == "full" else frac, args.kvzip_softmax,
+                               args.kvzip_novelty)] = {
             "answers": answers, "tokens_per_layer": kvc.tokens_per_layer, "kv_bytes": kvc.nbytes,
             "compress_seconds": kvc.compress_seconds, "prefill_seconds": kvc.prefill_seconds}
     return out
@@ -375,6 +382,8 @@ def main() -> None:
                     help="keys kvzip's reconstruction softmax covers (compress_context's softmax=)")
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
+    ap.add_argument("--kvzip-novelty", type=float, default=0.0,
+                    help="share of each head's budget for its most novel keys (compress_context's novelty=)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
     ap.add_argument("--multi-budgets", type=float, nargs="+", default=[0.2],
@@ -428,7 +437,8 @@ def main() -> None:
                 t.update(time_ours(model, tok, ctx, qst, key, args))
                 t["kvzip_scope"] = timed_scope(args)
                 a = t.pop("kvzip_generate_toks")
-                b = res[name_of("kvzip", timed_scope(args), 0.2, args.kvzip_softmax)]["toks"]
+                b = res[name_of("kvzip", timed_scope(args), 0.2, args.kvzip_softmax,
+                                args.kvzip_novelty)]["toks"]
                 t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
             rec_j["timing"] = t
             tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
