@@ -18,10 +18,10 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
 def reserve_novel(scores: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
     """``scores`` (fp32 [B, Hkv, n], each <= 1: probabilities) with the ``count`` most novel
     keys of every (row, head) of ``keys`` [B, Hkv, n, D] raised by 1, above every other key,
-    so any selection of at least ``count`` per head takes them first; a copy."""
-    out = scores.clone()
+    so any selection of at least ``count`` per head takes them first (a new tensor; ``scores``
+    itself when ``count`` is 0)."""
     count = min(count, scores.shape[-1])
-    if count > 0:
-        top = key_novelty(keys).topk(count, -1).indices
-        out.scatter_add_(-1, top, torch.ones_like(top, dtype=out.dtype))
-    return out
+    if count <= 0:
+        return scores
+    top = key_novelty(keys).topk(count, -1).indices
+    return scores.scatter_add(-1, top, torch.ones_like(top, dtype=scores.dtype))
