@@ -59,17 +59,17 @@ def sample_signals(model, tok, sample, budget: float) -> dict:
     top = max(1, int(round(budget * n)))
     nll = surprisal(out.logits, ctx)
     rank = nll.argsort(descending=True).argsort().float() / n
-    keys = [layer.keys for layer in out.past_key_values.layers]  # [1, Hkv, n, D] each
+    novel = []  # per layer, bool [Hkv, n]: the top-budget novelty selection of each head
+    for layer in out.past_key_values.layers:
+        s = key_novelty(layer.keys)[0]  # keys [1, Hkv, n, D] -> [Hkv, n]
+        novel.append(s >= s.topk(top, -1).values[:, -1:])
+    novel = torch.stack(novel)  # [L, Hkv, n]
     rec = {"task": sample.task, "index": sample.index, "tokens": n, "groups": {}}
     for g in ("value", "key"):
         p = pos.get(g) or []
         if not p:
             continue
-        kept = []
-        for k in keys:
-            s = key_novelty(k)[0]  # [Hkv, n]
-            kept.append(s >= s.topk(top, -1).values[:, -1:])
-        kept = torch.stack(kept)[:, :, p].float()  # [L, Hkv, len]
+        kept = novel[:, :, p].float()  # [L, Hkv, len]
         rec["groups"][g] = {"tokens": len(p),
                             "surprisal_rank": float(rank[p].mean()),
                             "surprisal_top": float((rank[p] < budget).float().mean()),
