@@ -75,8 +75,7 @@ def our_policies(args) -> dict:
 def selected(methods, args):
     """``methods`` ((policy, scope) pairs) that ``--policies`` names; "full" always."""
     return [m for m in methods
-            if m[0] == "full" or name_of(*m, softmax=args.kvzip_softmax,
-                                         novelty=args.kvzip_novelty) in args.policies]
+            if m[0] == "full" or run_name(args, *m) in args.policies]
 
 
 def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0):
@@ -86,6 +85,11 @@ def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0):
     base += f"-nov{int(round(novelty * 100))}" if policy == "kvzip" and novelty else ""
     base += "" if scope == "layer" else f"-{scope}"
     return base if frac is None else f"{base}@{int(round(frac * 100))}%"
+
+
+def run_name(args, policy, scope, frac=None):
+    """:func:`name_of` with the run's kvzip options (--kvzip-softmax, --kvzip-novelty)."""
+    return name_of(policy, scope, frac, args.kvzip_softmax, args.kvzip_novelty)
 
 
 def _older_names(part: dict) -> dict:
@@ -106,8 +110,7 @@ def timed_scope(args):
     """The budget scope of the kvzip that --time-trials times: the first of head, global, layer
     that --policies runs (None: none)."""
     return next((sc for sc in ("head", "global", "layer")
-                 if name_of("kvzip", sc, None, args.kvzip_softmax, args.kvzip_novelty)
-                 in args.policies), None)
+                 if run_name(args, "kvzip", sc) in args.policies), None)
 
 
 def ratio_for(kb, n):
@@ -188,7 +191,7 @@ def run_trial(model, tok, ctx, qst, key, args, kvz):
     record("full", scored.compress(policy="full"))
     for frac in args.budgets if ours else ():
         for pol, scope in methods:
-            record(name_of(pol, scope, frac, args.kvzip_softmax, args.kvzip_novelty),
+            record(run_name(args, pol, scope, frac),
                    scored.compress(frac, scope, policy=pols[pol]))
         if press_snapkv:
             kb = kp.hf.resolve_budget(frac, n)
@@ -290,8 +293,7 @@ def multi_question(model, tok, novels, rng, args):
                              pad_token_id=tok.pad_token_id)
             text = tok.decode(g[0, qs[c].shape[1]:])
             answers[c] = {"text": text, "hit": keys[c] in text}
-        out["methods"][name_of(pol, scope, None if pol == "full" else frac, args.kvzip_softmax,
-                               args.kvzip_novelty)] = {
+        out["methods"][run_name(args, pol, scope, None if pol == "full" else frac)] = {
             "answers": answers, "tokens_per_layer": kvc.tokens_per_layer, "kv_bytes": kvc.nbytes,
             "compress_seconds": kvc.compress_seconds, "prefill_seconds": kvc.prefill_seconds}
     return out
@@ -437,8 +439,7 @@ def main() -> None:
                 t.update(time_ours(model, tok, ctx, qst, key, args))
                 t["kvzip_scope"] = timed_scope(args)
                 a = t.pop("kvzip_generate_toks")
-                b = res[name_of("kvzip", timed_scope(args), 0.2, args.kvzip_softmax,
-                                args.kvzip_novelty)]["toks"]
+                b = res[run_name(args, "kvzip", timed_scope(args), 0.2)]["toks"]
                 t["kvzip_generate_equals_shared"] = a[:len(b)] == b[:len(a)]
             rec_j["timing"] = t
             tqdm.write(f"timing: { {k: v for k, v in t.items() if 'seconds' in k or 'equals' in k} }")
