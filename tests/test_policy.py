@@ -97,6 +97,9 @@ def test_kvzip_novelty_reserves_a_share_of_the_budget_for_the_most_novel_keys():
     assert kp.policy.KVzip(budget=4, n_sink=0).rank_recorded(recorded) is recorded
     with pytest.raises(ValueError, match="keys"):
         p.rank_recorded(recorded)
-    for bad in (-0.1, 1.5, True, "half"):
+    for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="novelty"):
+            kp.policy.KVzip(novelty=bad)
+    for bad in (True, "half"):  # a wrong type: a TypeError, as for every option
+        with pytest.raises(TypeError, match="novelty"):
             kp.policy.KVzip(novelty=bad)

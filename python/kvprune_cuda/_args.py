@@ -34,6 +34,14 @@ def check_str(name: str, value, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def check_fraction(name: str, value) -> None:
+    """A number in [0, 1], not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__} {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
 def check_scale(value) -> None:
     if value is None or isinstance(value, torch.SymFloat):
         return

@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 import torch
 
 from kvprune_cuda._ops import window_scores
-from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
 from kvprune_cuda.policy.novelty import reserve_novel
 from kvprune_cuda.policy.pooling import shifted_pool
@@ -51,10 +51,7 @@ class KVzip(Policy):
         check_int("kernel_size", self.kernel_size, 1)
         check_str("pool", self.pool, ("max", "avg"))
         check_shift(self.pool_shift, self.kernel_size)
-        if (isinstance(self.novelty, bool) or not isinstance(self.novelty, (int, float))
-                or not 0.0 <= self.novelty <= 1.0):
-            raise ValueError(f"novelty: expected a share of the budget in [0, 1], got "
-                             f"{self.novelty!r}")
+        check_fraction("novelty", self.novelty)
 
     def rank_recorded(self, recorded: torch.Tensor,
                       keys: Optional[torch.Tensor] = None) -> torch.Tensor:
