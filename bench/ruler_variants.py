@@ -26,8 +26,8 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
 * ``kzkd-SCOPE-hP``: the library's ``KVzip(novelty=P/100)``: P % of each head's budget to its
   most novel keys first; ``kzkd-head-fF[p7]``: F % of the context instead (pooled over 7);
 * ``kzur-head-h50``: ``kzkd-head-h50`` with the novelty of the keys before RoPE;
-* ``kzfl-head-h50``: its control: each head's floor (half its budget) filled by the head's own
-  largest maxima instead of its most novel keys;
+* ``kzfl-head-hP``: its control, the library's ``KVzip(head_floor=P/100)``: each head's floor
+  (P % of its budget) filled by the head's own largest maxima instead of its most novel keys;
 * ``pq-layer``: the votes of a generic question asked after the context (PROBE_QUESTION,
   then dropped), pooled as the query-aware default.
 
@@ -41,7 +41,6 @@ the table through this script, ``bench/ruler_variants.py --table ...``.)
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,22 +212,6 @@ class KVzipUnroped(kp.policy.KVzip):
         return super().rank_recorded(recorded, None if keys is None else unroped(keys))
 
 
-@dataclass(frozen=True)
-class KVzipFloor(kp.policy.KVzip):
-    """The control for ``KVzip(novelty=f)``: the same per-head floor (``f`` of each head's
-    budget first) filled by the head's own largest reconstruction maxima instead of its most
-    novel keys, the rest of the budget by the maxima over all heads. What novelty adds beyond
-    a floor on every head's count is the difference of the two."""
-
-    name: ClassVar[str] = "kvzip_floor"
-
-    def rank_recorded(self, recorded, keys=None):
-        s = kp.policy.KVzip.rank_recorded(dataclasses.replace(self, novelty=0.0), recorded)
-        count = min(int(self.novelty * self.kept_tokens(s.shape[-1])), s.shape[-1])
-        top = s.topk(count, -1).indices
-        return s.scatter_add(-1, top, torch.ones_like(top, dtype=s.dtype))  # above any maximum (<= 1)
-
-
 # A generic question asked of every context before it is compressed: its queries vote as
 # SnapKV's window does on the real question (query-agnostic: the same text for every context).
 PROBE_QUESTION = ("List every important detail of the text above, such as names, numbers, "
@@ -322,7 +305,9 @@ KVZIP_VARIANTS = {
     "kzkd-layer-h25": ("layer", {"novelty": 0.25}),
     "kzkd-global-h50": ("global", {"novelty": 0.5}),
     "kzur-head-h50": ("head", {"unroped": 0.5}),
-    "kzfl-head-h50": ("head", {"floor": 0.5}),
+    "kzfl-head-h50": ("head", {"head_floor": 0.5}),
+    "kzfl-head-h25": ("head", {"head_floor": 0.25}),
+    "kzfl-head-h75": ("head", {"head_floor": 0.75}),
     "pq-layer": ("layer", {"probe": True}),
 }
 for _name, (_policy, _options) in VARIANTS.items():
@@ -347,8 +332,6 @@ def _setting_policy(setting: str, args):
         return kp.policy.make(KVzipKeyDiff(**options), **base())
     if "unroped" in options:  # (base() holds novelty 0: the variant's own share replaces it)
         return kp.policy.make(KVzipUnroped(), **{**base(), "novelty": options["unroped"]})
-    if "floor" in options:
-        return kp.policy.make(KVzipFloor(), **{**base(), "novelty": options["floor"]})
     if "probe" in options:
         return kp.policy.make(KVzipProbe(), **base())
     return _kvzip_setting_policy(setting, args)

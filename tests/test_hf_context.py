@@ -332,6 +332,32 @@ def _head_selection(scores):
     return counts, out
 
 
+@pytest.mark.parametrize("head_floor", [0.5, 0.9])
+def test_kvzip_head_floor_gives_every_head_its_floor_first(model, gen, head_floor):
+    """KVzip(head_floor=f) under the "head" scope: each (layer, row, KV head) first keeps its
+    own int(f * budget) largest maxima (raised here by hand above every maximum, a
+    probability <= 1), the rest of the shared budget by the maxima; so no head holds fewer."""
+    ctx = _ids(gen, 2, N)
+    full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
+    floor = int(head_floor * BUDGET)
+    raised = [s + torch.zeros_like(s).scatter_(-1, s.topk(floor, -1).indices, 1.0) for s in scores]
+    counts, keep = _head_selection(raised)
+    with _eager_capture(model):
+        kvc = _compress(model, ctx, "kvzip", budget_scope="head", head_floor=head_floor)
+    assert kvc.tokens_per_head == counts.tolist()
+    assert int(counts.min()) >= floor
+    if head_floor == 0.9:  # 21 of 24: without the floor some head of this context holds fewer
+        assert int(_head_selection(scores)[0].min()) < floor
+    cache = kvc.cache()
+    for i in range(N_LAYERS):
+        fk, fv = hf.cache_kv(full, i)
+        for b in range(2):
+            for h in range(HKV):
+                idx, m = keep[i][b][h], int(counts[i, b, h])
+                assert torch.equal(cache.layers[i].keys[b, h, :m], fk[b, h, idx]), (i, b, h)
+                assert torch.equal(cache.layers[i].values[b, h, :m], fv[b, h, idx]), (i, b, h)
+
+
 @pytest.mark.parametrize("policy", ["kvzip", "snapkv", "h2o"])
 def test_head_budget_keeps_each_heads_own_count(model, gen, policy):
     """budget_scope="head": kp.head_budgets' count per (layer, row, KV head), each head's top

@@ -73,6 +73,32 @@ def test_kvzip_ranks_its_maxima_as_recorded_unless_it_pools_them():
         kp.policy.KVzip(kernel_size=3.0)
 
 
+def test_kvzip_head_floor_reserves_each_heads_own_largest_maxima():
+    # two heads of 8 keys, 4 tokens each with no sinks (8 shared under the "head" scope); every
+    # maximum of head 0 beats head 1's, so without a floor head 0 takes all 8
+    recorded = torch.tensor([[[0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55],
+                              [0.05, 0.3, 0.1, 0.2, 0.0, 0.01, 0.02, 0.03]]])
+    plain = kp.policy.KVzip(budget=4, n_sink=0).rank_recorded(recorded)
+    assert kp.head_budgets([plain], 4, n_sink=0, window=0).view(-1).tolist() == [8, 0]
+    # a floor of 0.5: each head's own two largest maxima raised by 1, so head 1 keeps two
+    p = kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.5)
+    want = torch.tensor([[[1.9, 1.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55],
+                          [0.05, 1.3, 0.1, 1.2, 0.0, 0.01, 0.02, 0.03]]])
+    got = p.rank_recorded(recorded)
+    assert torch.allclose(got, want)
+    assert kp.head_budgets([got], 4, n_sink=0, window=0).view(-1).tolist() == [6, 2]
+    # with novelty as well: the floor's keys and each head's most novel key (the opposite one)
+    keys = torch.tensor([[1.0, 0.0]] * 7 + [[-1.0, 0.0]]).view(1, 1, 8, 2).expand(1, 2, 8, 2)
+    both = kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.5, novelty=0.25).rank_recorded(
+        recorded, keys)
+    assert torch.allclose(both, want + torch.tensor([0.0] * 7 + [1.0]))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="head_floor"):
+            kp.policy.KVzip(head_floor=bad)
+    with pytest.raises(TypeError, match="head_floor"):
+        kp.policy.KVzip(head_floor="half")
+
+
 def test_key_novelty_is_minus_the_cosine_to_the_heads_mean_direction():
     # three keys along x, one along y: the mean unit key is (0.75, 0.25), direction (3, 1)/sqrt(10)
     keys = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.5, 0.0], [0.0, 3.0]]).view(1, 1, 4, 2)

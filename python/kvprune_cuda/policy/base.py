@@ -57,6 +57,7 @@ class Options:
     pool_shift: Optional[int] = None
     chunk_size: Optional[int] = None
     softmax: Optional[str] = None
+    head_floor: Optional[float] = None
     novelty: Optional[float] = None
 
     def given(self) -> dict:

@@ -12,6 +12,7 @@ from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
 from kvprune_cuda.policy.novelty import reserve_novel
 from kvprune_cuda.policy.pooling import shifted_pool
+from kvprune_cuda.policy.reserve import reserve_top
 from kvprune_cuda.policy.registry import register
 
 
@@ -26,10 +27,13 @@ class KVzip(Policy):
     default (``window=0``), as KVzip does. ``kernel_size`` > 1 pools the maxima before they
     are ranked, as SnapKV pools its votes (``pool``, ``pool_shift``:
     :func:`~kvprune_cuda.policy.pooling.shifted_pool`); 1, the default, ranks them as they
-    are. ``novelty``: the share of each head's budget that goes first to its most novel keys
-    (KeyDiff: the keys least like the head's mean key,
-    :func:`~kvprune_cuda.policy.novelty.key_novelty`), the rest by the maxima. Only
-    kp.hf.compress_context runs it."""
+    are. ``head_floor``: the share of each head's budget that goes first to its own largest
+    maxima, whatever the other heads score (AdaKV's safeguard: under a budget shared across
+    heads, "head" or "global" scope, no head falls below it; with one count per head and
+    layer it changes nothing). ``novelty``: the share that goes first to the head's most novel
+    keys (KeyDiff: the keys least like the head's mean key,
+    :func:`~kvprune_cuda.policy.novelty.key_novelty`). The rest of the budget goes by the
+    maxima. Only kp.hf.compress_context runs it."""
 
     name: ClassVar[str] = "kvzip"
     evidence: ClassVar[str] = "reconstruction"
@@ -41,6 +45,7 @@ class KVzip(Policy):
     kernel_size: int = 1
     pool: str = "max"
     pool_shift: int = 0
+    head_floor: float = 0.0
     novelty: float = 0.0
 
     def __post_init__(self) -> None:
@@ -51,6 +56,7 @@ class KVzip(Policy):
         check_int("kernel_size", self.kernel_size, 1)
         check_str("pool", self.pool, ("max", "avg"))
         check_shift(self.pool_shift, self.kernel_size)
+        check_fraction("head_floor", self.head_floor)
         check_fraction("novelty", self.novelty)
 
     def rank_recorded(self, recorded: torch.Tensor,
@@ -58,12 +64,13 @@ class KVzip(Policy):
         s = recorded
         if self.kernel_size > 1:
             s = shifted_pool(recorded, self.kernel_size, self.pool, self.pool_shift, self.window)
+        kept = self.kept_tokens(recorded.shape[-1])
+        s = reserve_top(s, s, int(self.head_floor * kept))
         if self.novelty == 0.0:
             return s
         if keys is None:
             raise ValueError(f"keys: kvzip with novelty = {self.novelty} ranks the keys too")
-        count = int(self.novelty * self.kept_tokens(recorded.shape[-1]))
-        return reserve_novel(s, keys, count)
+        return reserve_novel(s, keys, int(self.novelty * kept))
 
     def score(self, queries, keys, *, scale=None, seq_lens=None, lse=None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvprune_cuda.policy.reserve import reserve_top
+
 
 def key_novelty(keys: torch.Tensor) -> torch.Tensor:
     """fp32 ``[B, Hkv, n]``: minus the cosine between each of ``keys`` [B, Hkv, n, D] and the
@@ -16,12 +18,8 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
 
 
 def reserve_novel(scores: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
-    """``scores`` (fp32 [B, Hkv, n], each <= 1: probabilities) with the ``count`` most novel
-    keys of every (row, head) of ``keys`` [B, Hkv, n, D] raised by 1, above every other key,
-    so any selection of at least ``count`` per head takes them first (a new tensor; ``scores``
-    itself when ``count`` is 0)."""
-    count = min(count, scores.shape[-1])
+    """``scores`` (fp32 [B, Hkv, n], each <= 1) with the ``count`` most novel keys of every
+    (row, head) of ``keys`` [B, Hkv, n, D] raised by 1 (:func:`reserve_top`)."""
     if count <= 0:
         return scores
-    top = key_novelty(keys).topk(count, -1).indices
-    return scores.scatter_add(-1, top, torch.ones_like(top, dtype=scores.dtype))
+    return reserve_top(scores, key_novelty(keys), count)
