@@ -66,10 +66,16 @@ def our_policies(args) -> dict:
     """{name: kp.policy object} of the policies kp.hf runs here: --n-sink, --kernel-size,
     --chunk-size, --kvzip-softmax; window --window, kvzip's --kvzip-window."""
     return {name: kp.policy.make(name, n_sink=args.n_sink, kernel_size=args.kernel_size,
-                                 chunk_size=args.chunk_size, softmax=args.kvzip_softmax,
-                                 novelty=args.kvzip_novelty,
+                                 chunk_size=args.chunk_size, **kvzip_options(args),
                                  window=args.kvzip_window if name == "kvzip" else args.window)
             for name in ("streaming", "snapkv", "h2o", "kvzip")}
+
+
+def kvzip_options(args) -> dict:
+    """kvzip's options of the run (--kvzip-softmax, --kvzip-head-floor, --kvzip-novelty); the
+    other policies have none of them (kp.policy.make ignores them there)."""
+    return {"softmax": args.kvzip_softmax, "head_floor": args.kvzip_head_floor,
+            "novelty": args.kvzip_novelty}
 
 
 def selected(methods, args):
@@ -78,18 +84,20 @@ def selected(methods, args):
             if m[0] == "full" or run_name(args, *m) in args.policies]
 
 
-def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0):
+def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0, head_floor=0.0):
     """E.g. "kvzip-head@10%"; kvzip scored with softmax "all" is "kvzip-all...", with
-    ``novelty=0.5`` "kvzip-nov50..."."""
+    ``novelty=0.5`` "kvzip-nov50...", with ``head_floor=0.5`` "kvzip-fl50..."."""
     base = policy + ("-all" if policy == "kvzip" and softmax == "all" else "")
+    base += f"-fl{int(round(head_floor * 100))}" if policy == "kvzip" and head_floor else ""
     base += f"-nov{int(round(novelty * 100))}" if policy == "kvzip" and novelty else ""
     base += "" if scope == "layer" else f"-{scope}"
     return base if frac is None else f"{base}@{int(round(frac * 100))}%"
 
 
 def run_name(args, policy, scope, frac=None):
-    """:func:`name_of` with the run's kvzip options (--kvzip-softmax, --kvzip-novelty)."""
-    return name_of(policy, scope, frac, args.kvzip_softmax, args.kvzip_novelty)
+    """:func:`name_of` with the run's kvzip options (:func:`kvzip_options`)."""
+    return name_of(policy, scope, frac, args.kvzip_softmax, args.kvzip_novelty,
+                   args.kvzip_head_floor)
 
 
 def _older_names(part: dict) -> dict:
@@ -237,8 +245,7 @@ def time_ours(model, tok, ctx, qst, key, args):
                                                               n_sink=args.n_sink, window=args.kvzip_window,
                                                               chunk_size=args.chunk_size,
                                                               budget_scope=timed_scope(args),
-                                                              softmax=args.kvzip_softmax,
-                                                              novelty=args.kvzip_novelty)),
+                                                              **kvzip_options(args))),
                      ("snapkv", lambda: kp.hf.compress_context(model, ctx, "snapkv", 0.2,
                                                                n_sink=args.n_sink, window=args.window,
                                                                kernel_size=args.kernel_size))]:
@@ -285,8 +292,8 @@ def multi_question(model, tok, novels, rng, args):
         kvc = kp.hf.compress_context(model, ctx, pol, frac,
                                      budget_scope=scope, tokenizer=tok, n_sink=args.n_sink,
                                      window=args.kvzip_window if pol == "kvzip" else args.window,
-                                     kernel_size=args.kernel_size, softmax=args.kvzip_softmax,
-                                     novelty=args.kvzip_novelty, chunk_size=args.chunk_size)
+                                     kernel_size=args.kernel_size, chunk_size=args.chunk_size,
+                                     **kvzip_options(args))
         answers = {}
         for c in COLORS:
             g = kvc.generate(qs[c], max_new_tokens=args.gen_steps, do_sample=False,
@@ -384,6 +391,8 @@ def main() -> None:
                     help="keys kvzip's reconstruction softmax covers (compress_context's softmax=)")
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
+    ap.add_argument("--kvzip-head-floor", type=float, default=0.0,
+                    help="share of each head's budget for its own largest maxima (compress_context's head_floor=)")
     ap.add_argument("--kvzip-novelty", type=float, default=0.0,
                     help="share of each head's budget for its most novel keys (compress_context's novelty=)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")

@@ -140,7 +140,7 @@ def test_reconstruction_scores_match_eager_softmax(model, gen, gqa, impl, softma
     assert len(chunks) == 3 and spans == [(0, 25), (25, 50), (50, 60)]
     full, _, want = _kvzip_reference(model, ctx, PROMPT, CHUNK, gqa, softmax)
     comp = hf.KVCompressor(model, "kvzip", BUDGET,
-                           options=kp.policy.Options(n_sink=SINKS, window=W, gqa=gqa),
+                           options=kp.policy.Options(n_sink=SINKS, window=W, gqa=gqa, head_floor=0.0),
                            compress_on_prefill=False).attach()
     cache = transformers.DynamicCache()
     def forward_chunks():
@@ -221,7 +221,7 @@ def test_kvzip_novelty_keeps_each_heads_most_novel_keys_first(model, gen, novelt
     ctx = _ids(gen, 1, N)
     full, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK)
     with _eager_capture(model):
-        kvc = _compress(model, ctx, "kvzip", novelty=novelty)
+        kvc = _compress(model, ctx, "kvzip", novelty=novelty, head_floor=0.0)
     count = int(novelty * BUDGET)
     idx = []
     for i, s in enumerate(scores):
@@ -244,7 +244,7 @@ def test_global_budget_follows_layer_budgets(model, gen, policy):
     if policy != "kvzip":
         scores = _policy_scores(policy, prefill)
     with _eager_capture(model):
-        kvc = _compress(model, ctx, policy, budget_scope="global", softmax=softmax)
+        kvc = _compress(model, ctx, policy, budget_scope="global", softmax=softmax, head_floor=0.0)
     want = kp.layer_budgets(scores, BUDGET, n_sink=SINKS, window=W)
     assert kvc.tokens_per_layer == want
     assert sum(want) == N_LAYERS * BUDGET
@@ -254,7 +254,8 @@ def test_global_budget_follows_layer_budgets(model, gen, policy):
                    [ref.select_keep(s, k, n_sink=SINKS, window=W) for s, k in zip(scores, want)])
     # a fraction resolves against the context length first (0.4 * 60 = 24 tokens)
     with _eager_capture(model):
-        frac = _compress(model, ctx, policy, budget=0.4, budget_scope="global", softmax=softmax)
+        frac = _compress(model, ctx, policy, budget=0.4, budget_scope="global", softmax=softmax,
+                         head_floor=0.0)
     assert frac.tokens_per_layer == want
 
 

@@ -60,12 +60,13 @@ def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
 
 def test_kvzip_ranks_its_maxima_as_recorded_unless_it_pools_them():
     recorded = torch.tensor([0.1, 0.2, 0.9, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.8]).view(1, 1, -1)
-    assert kp.policy.KVzip().rank_recorded(recorded) is recorded  # kernel_size 1: unpooled
+    raw = dict(head_floor=0.0)  # no reservation: the maxima as recorded / pooled
+    assert kp.policy.KVzip(**raw).rank_recorded(recorded) is recorded  # kernel_size 1: unpooled
     # kernel 3 (r = 1), shift 1, window 0: token i takes max(s[i - 2], s[i - 1], s[i])
-    got = kp.policy.KVzip(kernel_size=3, pool_shift=1).rank_recorded(recorded)[0, 0].tolist()
+    got = kp.policy.KVzip(kernel_size=3, pool_shift=1, **raw).rank_recorded(recorded)[0, 0].tolist()
     assert got == pytest.approx([0.1, 0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.8])
     # centred: max(s[i - 1], s[i], s[i + 1])
-    got = kp.policy.KVzip(kernel_size=3).rank_recorded(recorded)[0, 0].tolist()
+    got = kp.policy.KVzip(kernel_size=3, **raw).rank_recorded(recorded)[0, 0].tolist()
     assert got == pytest.approx([0.2, 0.9, 0.9, 0.9, 0.1, 0.1, 0.3, 0.3, 0.8, 0.8])
     with pytest.raises(ValueError, match="pool_shift"):
         kp.policy.KVzip(kernel_size=3, pool_shift=2)
@@ -78,7 +79,7 @@ def test_kvzip_head_floor_reserves_each_heads_own_largest_maxima():
     # maximum of head 0 beats head 1's, so without a floor head 0 takes all 8
     recorded = torch.tensor([[[0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55],
                               [0.05, 0.3, 0.1, 0.2, 0.0, 0.01, 0.02, 0.03]]])
-    plain = kp.policy.KVzip(budget=4, n_sink=0).rank_recorded(recorded)
+    plain = kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.0).rank_recorded(recorded)
     assert kp.head_budgets([plain], 4, n_sink=0, window=0).view(-1).tolist() == [8, 0]
     # a floor of 0.5: each head's own two largest maxima raised by 1, so head 1 keeps two
     p = kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.5)
@@ -114,13 +115,13 @@ def test_kvzip_novelty_reserves_a_share_of_the_budget_for_the_most_novel_keys():
     recorded = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.0, 0.0, 0.0]).view(1, 1, -1)
     # six keys along x, one along y and one opposite: the last two are the most novel
     keys = torch.tensor([[1.0, 0.0]] * 6 + [[0.0, 1.0], [-1.0, 0.0]]).view(1, 1, 8, 2)
-    p = kp.policy.KVzip(budget=4, n_sink=0, novelty=0.5)  # 4 kept, 2 of them the most novel
+    p = kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.0, novelty=0.5)  # 4 kept, 2 the most novel
     got = p.rank_recorded(recorded, keys)
     assert got.topk(4, -1).indices[0, 0].sort().values.tolist() == [0, 1, 6, 7]
     assert got[0, 0, :6].tolist() == pytest.approx(recorded[0, 0, :6].tolist())  # the rest as recorded
     assert p.rank_recorded(recorded, keys).topk(2, -1).indices[0, 0].sort().values.tolist() == [6, 7]
     # novelty 0: the maxima alone; the keys are not needed
-    assert kp.policy.KVzip(budget=4, n_sink=0).rank_recorded(recorded) is recorded
+    assert kp.policy.KVzip(budget=4, n_sink=0, head_floor=0.0).rank_recorded(recorded) is recorded
     with pytest.raises(ValueError, match="keys"):
         p.rank_recorded(recorded)
     for bad in (-0.1, 1.5):
