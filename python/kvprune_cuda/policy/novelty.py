@@ -18,8 +18,8 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
 
 
 def reserve_novel(scores: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
-    """``scores`` (fp32 [B, Hkv, n], each <= 1) with the ``count`` most novel keys of every
-    (row, head) of ``keys`` [B, Hkv, n, D] raised by 1 (:func:`reserve_top`)."""
+    """``scores`` (fp32 [B, Hkv, n]) with the ``count`` most novel keys of every (row, head) of
+    ``keys`` [B, Hkv, n, D] raised by 1 (:func:`reserve_top`)."""
     if count <= 0:
         return scores
     return reserve_top(scores, key_novelty(keys), count)
