@@ -392,7 +392,8 @@ def main() -> None:
     ap.add_argument("--kvzip-window", type=int, default=0,
                     help="recent tokens kvzip protects (compress_context's default: 0, sinks only)")
     ap.add_argument("--kvzip-head-floor", type=float, default=0.0,
-                    help="share of each head's budget for its own largest maxima (compress_context's head_floor=)")
+                    help="share of each head's budget for its own largest maxima (compress_context's head_floor=; "
+                         "0, as the recorded tables ran, unless given; the library's default is 0.25)")
     ap.add_argument("--kvzip-novelty", type=float, default=0.0,
                     help="share of each head's budget for its most novel keys (compress_context's novelty=)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")

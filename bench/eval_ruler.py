@@ -85,6 +85,7 @@ SETTINGS = {
     "streaming-aware": ("aware", "streaming", None),
     "h2o-aware": ("aware", "h2o", None),
     "kvzip-head": ("agnostic", "kvzip", "head"),
+    "kvzip-head-default": ("agnostic", "kvzip", "head"),
     "kvzip-global": ("agnostic", "kvzip", "global"),
     "kvzip-layer": ("agnostic", "kvzip", "layer"),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
@@ -99,11 +100,16 @@ SETTINGS = {
 EAGER_PRESSES = ("ObservedAttentionPress",)  # presses that read the attention weights
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
 # (snapkv-aware and snapkv-agnostic: the library's default until pool_shift, as their records
-# hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does)
+# hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does;
+# kvzip-head / -global / -layer: no per-head floor, as their records hold; kvzip-head-default:
+# what kp.hf.compress_context does)
 OPTIONS = {"snapkv-aware": {"kernel_size": 7, "pool_shift": 0},
            "snapkv-aware-k15": {"kernel_size": 15, "pool_shift": 0},
            "snapkv-aware-k31": {"kernel_size": 31, "pool_shift": 0},
-           "snapkv-agnostic": {"kernel_size": 7, "pool_shift": 0}}
+           "snapkv-agnostic": {"kernel_size": 7, "pool_shift": 0},
+           "kvzip-head": {"head_floor": 0.0},
+           "kvzip-global": {"head_floor": 0.0},
+           "kvzip-layer": {"head_floor": 0.0}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
 BOOTSTRAP_REPS = 1000

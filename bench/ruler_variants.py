@@ -318,7 +318,7 @@ for _name, _kernel in (("kd-layer", 1), ("kd-layer-p7", 7)):
     er.OPTIONS[_name] = {"kernel_size": _kernel, "window": 0}
 for _name, (_scope, _options) in KVZIP_VARIANTS.items():
     er.SETTINGS[_name] = ("agnostic", "kvzip", _scope)
-    er.OPTIONS[_name] = _options
+    er.OPTIONS[_name] = {"head_floor": 0.0, **_options}  # no floor unless the variant sets one
 _kvzip_setting_policy = er._setting_policy
 
 

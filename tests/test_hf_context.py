@@ -832,11 +832,13 @@ def test_no_import_cycle_in_the_package():
 def test_defaults_are_the_measured_best(model, gen):
     """compress_context's defaults are the configuration the measurements favour: kvzip keeps
     a count per KV head (bench/RESULTS.md: 20/20 passkey at 10 %, where one count per layer
-    gets 18/20 and a uniform budget 0/20), with KVzip's chunk softmax, GQA max, sinks only;
-    the other policies one count per layer. A user's first call needs no option."""
+    gets 18/20 and a uniform budget 0/20), with KVzip's chunk softmax, GQA max, sinks only,
+    and a quarter of each head's budget as its floor (bench/notes/2026-12-05-ruler-defaults.md:
+    better than none at 10 / 16 / 25 % on the RULER-style suite, passkey 20/20); the other
+    policies one count per layer. A user's first call needs no option."""
     kvzip = kp.policy.make("kvzip")
-    assert (kvzip.default_scope, kvzip.softmax, kvzip.gqa, kvzip.window) == ("head", "chunk",
-                                                                            "max", 0)
+    assert (kvzip.default_scope, kvzip.softmax, kvzip.gqa, kvzip.window, kvzip.head_floor,
+            kvzip.novelty) == ("head", "chunk", "max", 0, 0.25, 0.0)
     assert all(kp.policy.make(p).default_scope == "layer" for p in POLICIES if p != "kvzip")
     ctx = _ids(gen, 1, N)
     kvc = kp.hf.compress_context(model, ctx, "kvzip", BUDGET, n_sink=SINKS, chunk_size=CHUNK,

@@ -31,7 +31,11 @@ for name, field, share, cls in [("kzkd-head-h50", "novelty", 0.5, "KVzip"),
                                 ("kzfl-head-h25", "head_floor", 0.25, "KVzip")]:
     p = rv._setting_policy(name, args)
     assert (type(p).__name__, getattr(p, field), p.window) == (cls, share, 0), (name, p)
-assert rv._setting_policy("kvzip-head", args).novelty == 0.0
+    if field == "novelty":  # no floor beside it (the records' kvzip-head has none)
+        assert p.head_floor == 0.0, (name, p)
+assert (rv._setting_policy("kvzip-head", args).novelty,
+        rv._setting_policy("kvzip-head", args).head_floor) == (0.0, 0.0)
+assert rv._setting_policy("kvzip-head-default", args) == rv._setting_policy("kzfl-head-h25", args)
 print("ok")
 """
 

@@ -45,7 +45,7 @@ class KVzip(Policy):
     kernel_size: int = 1
     pool: str = "max"
     pool_shift: int = 0
-    head_floor: float = 0.0
+    head_floor: float = 0.25  # bench/notes/2026-12-05-ruler-defaults.md, "A per-head floor"
     novelty: float = 0.0
 
     def __post_init__(self) -> None:
