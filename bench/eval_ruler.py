@@ -15,7 +15,8 @@ as ``ruler_tasks.prompt_ids`` does):
   ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
   attends to the compressed cache (and is not in the window) instead of the whole prompt; one
   prefill instead of one per config.
-* query-agnostic (kvzip-head / kvzip-global / kvzip-layer, snapkv-agnostic, h2o-agnostic): the
+* query-agnostic (kvzip-head / kvzip-global / kvzip-layer: kvzip with no per-head floor, as
+  their records hold; kvzip-head-default: the library's kvzip; snapkv-agnostic, h2o-agnostic): the
   context compressed before the question is known: one ``kp.hf.score_context(model,
   context_ids, ["kvzip", "snapkv", "h2o"])`` per sample (kvzip's reconstruction forwards
   included), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and

@@ -310,7 +310,10 @@ class KVCompressor:
         arrives) under ``policy`` (default the compressor's, which it then becomes) to
         ``budget`` (default the policy's) shared as ``scope`` says (:mod:`~kvprune_cuda.hf.select`)."""
         policy = policy or self.policy
-        budget = policy.budget if budget is None else budget
+        if budget is None:
+            budget = policy.budget
+        else:  # the policy ranks for the budget it keeps (kvzip's reservations are shares of it)
+            policy = policies.make(policy, budget=budget)
         n = cache_kv(cache, 0)[0].shape[2]
         self.compressed_len = select.compress_cache(self.layers, cache, policy, budget, scope,
                                                     self.prefill_valid)

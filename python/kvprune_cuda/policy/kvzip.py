@@ -29,8 +29,8 @@ class KVzip(Policy):
     :func:`~kvprune_cuda.policy.pooling.shifted_pool`); 1, the default, ranks them as they
     are. ``head_floor``: the share of each head's budget that goes first to its own largest
     maxima, whatever the other heads score (AdaKV's safeguard: under a budget shared across
-    heads, "head" or "global" scope, no head falls below it; with one count per head and
-    layer it changes nothing). ``novelty``: the share that goes first to the head's most novel
+    heads, "head" or "global" scope, no head falls below it; alone, with one count per head
+    and layer, it changes nothing). ``novelty``: the share that goes first to the head's most novel
     keys (KeyDiff: the keys least like the head's mean key,
     :func:`~kvprune_cuda.policy.novelty.key_novelty`). The rest of the budget goes by the
     maxima. Only kp.hf.compress_context runs it."""
