@@ -18,7 +18,6 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 CHECK = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-import torch
 import eval_ruler as er
 import ruler_variants as rv
 
