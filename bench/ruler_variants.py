@@ -250,77 +250,35 @@ def record_probe(sc, tok) -> None:
     _PROBE.update({i: st.queries for i, st in enumerate(ext._state["layers"])})
 
 
-# KVzip+ (kvpress's kvzip_plus_normalization, from the KVzap paper): a key's score is the
-# largest ``p * ||W_O v|| / ||h||`` over the reconstruction queries and the group's query heads:
-# the probability times what the key's value writes into the residual stream (through the
-# query head's slice of o_proj), over the query token's own hidden-state norm. Recorded in
-# _PLUS beside the library's maxima during the same reconstruction (one forward pass serves
-# both), in plain torch (a screen: what wins moves into the library's ops).
-_PLUS: dict = {}      # layer -> fp32 [B, Hkv, n] KVzip+ maxima of this sample
+# KVzip+ (the library's ``KVzip(weight="output")``) recorded in _PLUS beside the plain maxima
+# during the same reconstruction, so one forward pass serves both (the records of
+# kvzip_plus_{a,b}.json ran this screen's own torch copy of the weighting, at 9d4cfdc; the
+# library's gives the same maxima to 4e-7).
+_PLUS: dict = {}      # layer -> LayerState holding the KVzip+ maxima of this sample
 _PLUS_ON = [False]    # record them (a kzplus setting runs)
-_LAST_V: dict = {}    # layer -> the cache's values [B, Hkv, n + r, D] of the running forward
-
-
-def plus_maxima(module, hs, qn, k, v, n, span, n_sink=4, weighted=True) -> torch.Tensor:
-    """fp32 [B, Hkv, e - s]: the KVzip+ maxima of the chunk ``span = (s, e)`` under kvzip's
-    "chunk" softmax (over the sinks, the chunk and the reconstruction keys, causal over the
-    last). ``hs`` [B, r, hidden] the reconstruction tokens' attention inputs, ``qn``
-    [B, Hq, r, D] their post-RoPE queries, ``k`` / ``v`` [B, Hkv, n + r, D]. ``weighted``
-    False: the plain maxima (the library's, a check of this computation)."""
-    s, e = span
-    b, hq, r, d = qn.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    sink = min(n_sink, s)
-    keys = torch.cat([k[:, :, s:e], k[:, :, :sink], k[:, :, k.shape[2] - r:]], 2).float()
-    logits = torch.einsum("bhgrd,bhmd->bhgrm", qn.float().view(b, hkv, g, r, d), keys)
-    logits = logits * (module.scaling if getattr(module, "scaling", None) else d ** -0.5)
-    own = torch.ones(r, r, dtype=torch.bool, device=k.device).triu(1)  # a query sees itself and before
-    logits[..., keys.shape[2] - r:].masked_fill_(own, float("-inf"))
-    p = torch.softmax(logits, -1)[..., :e - s]                       # [B, Hkv, g, r, c]
-    if not weighted:
-        return p.amax(dim=(2, 3))
-    wo = module.o_proj.weight.float().view(-1, hkv, g, d)            # [hidden, Hkv, g, D]
-    vnorm = torch.einsum("jhgd,bhtd->bhgtj", wo, v[:, :, s:e].float()).norm(dim=-1)  # [B, Hkv, g, c]
-    hnorm = hs.float().norm(dim=-1)                                   # [B, r]
-    p = p * vnorm[:, :, :, None, :] / hnorm[:, None, None, :, None]
-    return p.amax(dim=(2, 3))
-
-
 _scorer_call = kp.hf.reconstruct.ReconstructionScorer.__call__
 
 
-def _scorer_call_plus(self, module, st, hs, position_embeddings, k):
+def _scorer_call_plus(self, module, st, hs, position_embeddings, k, v):
     """The library's fold, then (kzplus settings) the KVzip+ maxima of the same forward."""
-    _scorer_call(self, module, st, hs, position_embeddings, k)
+    _scorer_call(self, module, st, hs, position_embeddings, k, v)
     if not _PLUS_ON[0]:
         return
-    i = module.layer_idx
+    plus = kp.policy.make(self.kvzip, weight="output")
     qn = kp.hf.scoring.post_rope_queries(module, hs, *position_embeddings)
-    buf = _PLUS.setdefault(i, torch.zeros(k.shape[0], k.shape[1], self.n, device=k.device))
-    s, e = self.span
-    buf[:, :, s:e] = torch.maximum(buf[:, :, s:e],
-                                   plus_maxima(module, hs, qn, k, _LAST_V[i], self.n, self.span))
+    kp.hf.scoring.fold_reconstruction(
+        _PLUS.setdefault(module.layer_idx, kp.hf.scoring.LayerState()), plus, qn, None, k,
+        self.n, self.span, getattr(module, "scaling", None),
+        kp.hf.reconstruct.output_weights(module, hs, v[:, :, :self.n]))
 
 
 kp.hf.reconstruct.ReconstructionScorer.__call__ = _scorer_call_plus
-_cache_kv = kp.hf.hooks.cache_kv
-
-
-def _cache_kv_keeping_values(cache, i):
-    kv = _cache_kv(cache, i)
-    if _PLUS_ON[0]:
-        _LAST_V[i] = kv[1]
-    return kv
-
-
-kp.hf.hooks.cache_kv = _cache_kv_keeping_values
 
 
 @dataclass(frozen=True)
 class KVzipPlus(kp.policy.KVzip):
-    """kvzip ranked by the KVzip+ maxima (_PLUS) instead of the plain ones; the floor and the
-    rest of the ranking as the library's."""
+    """kvzip ranked by the KVzip+ maxima (_PLUS) recorded beside the plain ones; the floor
+    and the rest of the ranking as the library's."""
 
     name: ClassVar[str] = "kvzip_plus"
 
@@ -332,7 +290,7 @@ def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
     if isinstance(policy, KVzipProbe):
         return policy.rank_with_probe(k, layer)
     if isinstance(policy, KVzipPlus):
-        return policy.rank_recorded(_PLUS[layer], k)
+        return policy.rank_recorded(_PLUS[layer].kvzip, k)
     return _selection_scores(st, policy, k, layer, seq_lens=seq_lens)
 
 
@@ -429,10 +387,8 @@ def _scored(model, tok, ids, names, args):
     """eval_ruler's scoring, plus the probe question's queries for the pq* settings when the
     scoring is the context's (kvzip recorded)."""
     _PLUS.clear()
-    _LAST_V.clear()
     _PLUS_ON[0] = "kvzip" in names and any(s.startswith("kzplus") for s in args.settings)
     sc, info = _plain_scored(model, tok, ids, names, args)
-    _LAST_V.clear()
     if "kvzip" in names and any(s.startswith("pq") for s in args.settings):
         record_probe(sc, tok)
     return sc, info

@@ -53,15 +53,44 @@ def _copy(cache):
     return out
 
 
+@contextlib.contextmanager
+def _attention_inputs(model):
+    """Per layer, the hidden states each attention call receives (a forward pre-hook)."""
+    got: dict[int, list] = {}
+
+    def record(module, args, kwargs):
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        got.setdefault(module.layer_idx, []).append(hs.detach().double())
+
+    handles = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+               for layer in model.model.layers]
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _output_weights(model, full, layer, hs):
+    """KVzip+'s weights, in float64 from the model's o_proj and the full cache's values: per
+    query head and context key ``||W_O[:, head] v||`` [B, Hq, n], per query ``1 / ||h||`` [B, r]."""
+    o = model.model.layers[layer].self_attn.o_proj.weight.double()
+    v = full.layers[layer].values.double()                       # [B, Hkv, n, D]
+    norms = torch.stack([(v[:, h // (HQ // HKV)] @ o[:, h * D:(h + 1) * D].T).norm(dim=-1)
+                         for h in range(HQ)], 1)
+    return norms, 1.0 / hs.norm(dim=-1)
+
+
 def _kvzip_reference(model, ctx, prompt, chunk_size, gqa="max", softmax="chunk",
-                     context_only=False):
+                     context_only=False, output_weight=False):
     """The full context cache, the eager calls of its prefill and per layer the kvzip score
     fp32 [B, Hkv, n]: max over chunks, over the chunk's queries and over the KV group's query
     heads (``gqa``) of each context key's eager softmax weight, renormalised over the keys
     ``softmax`` names ("all": as the eager weights are; "chunk": the first SINKS positions
     before the chunk, the chunk and the reconstruction tokens, only the chunk's keys scored).
     Every chunk runs on a fresh copy of the full context cache, so it sees the context and its
-    own tokens only. ``context_only``: renormalise over the context keys (not kvzip: a foil)."""
+    own tokens only. ``context_only``: renormalise over the context keys (not kvzip: a foil).
+    ``output_weight``: each weight times :func:`_output_weights` (KVzip+) before the maxima."""
     n, b = ctx.shape[1], ctx.shape[0]
     full = transformers.DynamicCache()
     with _eager_capture(model) as prefill, torch.no_grad():
@@ -69,7 +98,7 @@ def _kvzip_reference(model, ctx, prompt, chunk_size, gqa="max", softmax="chunk",
     scores = [torch.zeros(b, HKV, n, dtype=torch.float64) for _ in range(N_LAYERS)]
     for ids, (start, end) in zip(prompt.chunks(ctx, chunk_size), prompt.spans(n, chunk_size),
                                  strict=True):
-        with _eager_capture(model) as calls, torch.no_grad():
+        with _eager_capture(model) as calls, _attention_inputs(model) as inputs, torch.no_grad():
             model(input_ids=ids, past_key_values=_copy(full), use_cache=True)
         for i in range(N_LAYERS):
             ((_, key, weights),) = calls[i]
@@ -82,6 +111,9 @@ def _kvzip_reference(model, ctx, prompt, chunk_size, gqa="max", softmax="chunk",
             w = weights[..., :n]
             if context_only:
                 w = w / w.sum(-1, keepdim=True)
+            if output_weight:
+                per_key, per_query = _output_weights(model, full, i, inputs[i][0])
+                w = w * per_key[:, :, None, :] * per_query[:, None, :, None]
             per_head = w.amax(2).view(b, HKV, HQ // HKV, n)             # max over queries
             s = per_head.amax(2) if gqa == "max" else per_head.mean(2)  # over the group
             if softmax == "chunk":
@@ -361,6 +393,36 @@ def test_kvzip_head_floor_gives_every_head_its_floor_first(model, gen, head_floo
                 idx, m = keep[i][b][h], int(counts[i, b, h])
                 assert torch.equal(cache.layers[i].keys[b, h, :m], fk[b, h, idx]), (i, b, h)
                 assert torch.equal(cache.layers[i].values[b, h, :m], fv[b, h, idx]), (i, b, h)
+
+
+@pytest.mark.parametrize("softmax", ["chunk", "all"])
+def test_kvzip_output_weight_ranks_by_kvzip_plus_maxima(model, gen, softmax):
+    """KVzip(weight="output") (KVzip+): the maxima of each eager weight times the key's
+    value's output norm through the query head's o_proj slice, over the query's hidden-state
+    norm (float64 here, from the model's weights and the full cache); kept as ranked."""
+    ctx = _ids(gen, 2, N)
+    gains = [layer.input_layernorm.weight for layer in model.model.layers]
+    try:  # uneven RMSNorm gains, so that ||h|| differs between tokens (all ones: it is constant)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight = torch.nn.Parameter(0.5 + torch.rand(D * HQ, generator=gen))
+        full, _, plain = _kvzip_reference(model, ctx, PROMPT, CHUNK, softmax=softmax)
+        _, _, scores = _kvzip_reference(model, ctx, PROMPT, CHUNK, softmax=softmax, output_weight=True)
+        with _eager_capture(model):
+            kvc = _compress(model, ctx, "kvzip", budget_scope="head", head_floor=0.0,
+                            softmax=softmax, weight="output")
+    finally:
+        for layer, w in zip(model.model.layers, gains):
+            layer.input_layernorm.weight = w
+    counts, keep = _head_selection(scores)
+    assert not torch.equal(counts, _head_selection(plain)[0])  # the weighting moves the budgets
+    assert kvc.tokens_per_head == counts.tolist()
+    cache = kvc.cache()
+    for i in range(N_LAYERS):
+        fk = hf.cache_kv(full, i)[0]
+        for b in range(2):
+            for h in range(HKV):
+                m = int(counts[i, b, h])
+                assert torch.equal(cache.layers[i].keys[b, h, :m], fk[b, h, keep[i][b][h]]), (i, b, h)
 
 
 @pytest.mark.parametrize("policy", ["kvzip", "snapkv", "h2o"])

@@ -32,6 +32,10 @@ for name, field, share, cls in [("kzkd-head-h50", "novelty", 0.5, "KVzip"),
     assert (type(p).__name__, getattr(p, field), p.window) == (cls, share, 0), (name, p)
     if field == "novelty":  # no floor beside it (the records' kvzip-head has none)
         assert p.head_floor == 0.0, (name, p)
+# the KVzip+ screen ranks the maxima it records beside the plain ones, with the floor it names
+for name, floor in [("kzplus-head", 0.0), ("kzplus-head-h25", 0.25)]:
+    p = rv._setting_policy(name, args)
+    assert (type(p).__name__, p.head_floor, p.window, p.weight) == ("KVzipPlus", floor, 0, "none"), (name, p)
 assert (rv._setting_policy("kvzip-head", args).novelty,
         rv._setting_policy("kvzip-head", args).head_floor) == (0.0, 0.0)
 assert rv._setting_policy("kvzip-head-default", args) == rv._setting_policy("kzfl-head-h25", args)

@@ -255,7 +255,7 @@ def score_context(model, context_ids: torch.Tensor,
                   pool_shift: Optional[int] = None,
                   gqa: Optional[str] = None, chunk_size: Optional[int] = None,
                   softmax: Optional[str] = None, head_floor: Optional[float] = None,
-                  novelty: Optional[float] = None, tokenizer=None,
+                  novelty: Optional[float] = None, weight: Optional[str] = None, tokenizer=None,
                   repeat_prompt: Optional[RepeatPrompt] = None) -> ScoredContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and records the
     evidence of ``policy`` (a name, a :class:`~kvprune_cuda.policy.Policy` or a sequence of
@@ -273,7 +273,8 @@ def score_context(model, context_ids: torch.Tensor,
         raise ValueError("policy: expected at least one policy")
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                pool_shift=pool_shift, gqa=gqa, chunk_size=chunk_size,
-                               softmax=softmax, head_floor=head_floor, novelty=novelty)
+                               softmax=softmax, head_floor=head_floor, novelty=novelty,
+                               weight=weight)
     scored = [policies.make(p, options) for p in named]
     kvzip = next((p for p in scored if isinstance(p, policies.KVzip)), None)
     prompt = None
@@ -305,7 +306,7 @@ def compress_context(model, context_ids: torch.Tensor, policy: Union[str, "polic
                      **options) -> CompressedContext:
     """Prefills ``context_ids`` [B, n] (rows of equal length, no padding) once and compresses
     it: :func:`score_context` (``tokenizer``, ``repeat_prompt``; ``options``: n_sink, window,
-    kernel_size, pool, pool_shift, gqa, chunk_size, softmax, head_floor, novelty, as
+    kernel_size, pool, pool_shift, gqa, chunk_size, softmax, head_floor, novelty, weight, as
     :class:`kvprune_cuda.policy.Options` names them: another name is a TypeError) then :meth:`ScoredContext.compress`.
 
     ``budget``: tokens kept per layer, a fraction of ``n`` in (0, 1] or a count (None: the

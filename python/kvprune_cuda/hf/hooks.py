@@ -80,7 +80,7 @@ class KVCompressor:
         self._handles: list = []
         self._has_cache_position = takes_cache_position(self.base)
         # while set, takes every uncompressed layer's forward instead of the recording and
-        # compression: (module, LayerState, hidden states, position embeddings, keys) -> None
+        # compression: (module, LayerState, hidden states, position embeddings, keys, values) -> None
         # (kvzip's reconstruction forwards: hf.reconstruct.score_reconstruction)
         self.intercept: Optional[Callable] = None
         self.reset()
@@ -239,9 +239,9 @@ class KVCompressor:
             st.slot_valid = torch.cat([st.slot_valid, nv], 2)
             self._decode_step(module, st, cache, i, hs, kwargs)
             return output
-        k = cache_kv(cache, i)[0]
+        k, v = cache_kv(cache, i)
         if self.intercept is not None:
-            self.intercept(module, st, hs, kwargs["position_embeddings"], k)
+            self.intercept(module, st, hs, kwargs["position_embeddings"], k, v)
             return output
         n_q = max(p.observed_queries(q_len) for p in self.observed)
         if n_q:

@@ -14,6 +14,7 @@ from kvprune_cuda import policy as policies
 from kvprune_cuda.hf._compat import cache_kv, cache_name, num_layers, set_cache_kv
 from kvprune_cuda.hf.lse import attention_lse
 from kvprune_cuda.hf.scoring import fold_reconstruction, left_padding, post_rope_queries
+from kvprune_cuda.policy.output_weight import value_output_norms
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -112,12 +113,27 @@ class ReconstructionScorer:
         self.span: Optional[tuple[int, int]] = None  # the running forward's context span
         self.lse: dict = {}  # layer -> (queries, lse) as the model's attention gave them (hf.lse)
 
-    def __call__(self, module, st, hs: torch.Tensor, position_embeddings, k: torch.Tensor) -> None:
+    def __call__(self, module, st, hs: torch.Tensor, position_embeddings, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """``hs`` [B, r, hidden] the chunk's attention inputs; ``k`` / ``v`` [B, Hkv, n + r, D]
+        the context's and the chunk's own keys and values."""
         qn, lse = self.lse.pop(module.layer_idx, (None, None))
         if qn is None:
             qn = post_rope_queries(module, hs, *position_embeddings)
+        weights = output_weights(module, hs, v[:, :, :self.n]) if self.kvzip.weight == "output" else None
         fold_reconstruction(st, self.kvzip, qn, lse, k, self.n, self.span,
-                            getattr(module, "scaling", None))
+                            getattr(module, "scaling", None), weights)
+
+
+def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzip+'s weights for one reconstruction forward of ``module``: fp32 [B, Hq, n] the
+    output norm of each context value ``values`` [B, Hkv, n, D] per query head, fp32 [B, r]
+    one over the norm of each query token's attention input ``hs`` [B, r, hidden]."""
+    proj = getattr(module, "o_proj", None)
+    if proj is None or getattr(proj, "weight", None) is None:
+        raise ValueError(f"weight: kvzip's 'output' weighting needs the attention's o_proj; "
+                         f"{type(module).__name__} has none")
+    return value_output_norms(proj.weight, values), 1.0 / hs.float().norm(dim=-1)
 
 
 def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, int]]],

@@ -59,6 +59,7 @@ class Options:
     softmax: Optional[str] = None
     head_floor: Optional[float] = None
     novelty: Optional[float] = None
+    weight: Optional[str] = None
 
     def given(self) -> dict:
         """The options set (not None)."""

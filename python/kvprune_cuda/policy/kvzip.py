@@ -11,9 +11,13 @@ from kvprune_cuda._ops import window_scores
 from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
 from kvprune_cuda.policy.novelty import reserve_novel
+from kvprune_cuda.policy.output_weight import weighted_maxima
 from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.reserve import reserve_top
 from kvprune_cuda.policy.registry import register
+
+
+WEIGHTS = ("none", "output")  # KVzip.weight: plain probabilities, KVzip+'s output weighting
 
 
 @register
@@ -47,6 +51,7 @@ class KVzip(Policy):
     pool_shift: int = 0
     head_floor: float = 0.25  # bench/notes/2026-12-05-ruler-defaults.md, "A per-head floor"
     novelty: float = 0.0
+    weight: str = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,6 +63,7 @@ class KVzip(Policy):
         check_shift(self.pool_shift, self.kernel_size)
         check_fraction("head_floor", self.head_floor)
         check_fraction("novelty", self.novelty)
+        check_str("weight", self.weight, WEIGHTS)
 
     def rank_recorded(self, recorded: torch.Tensor,
                       keys: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -73,10 +79,18 @@ class KVzip(Policy):
         return reserve_novel(s, keys, int(self.novelty * kept))
 
     def score(self, queries, keys, *, scale=None, seq_lens=None, lse=None,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None,
+              weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Folds the maxima of ``queries`` (one reconstruction chunk) into ``out`` (fp32
-        ``[B, Hkv, M]``, the first M of ``keys``; a new zero buffer if None)."""
+        ``[B, Hkv, M]``, the first M of ``keys``; a new zero buffer if None). ``weights``
+        (with ``weight="output"``, and only then): fp32 ``[B, Hq, M]`` per query head and
+        key, fp32 ``[B, W]`` per query (:func:`~kvprune_cuda.policy.output_weight.weighted_maxima`)."""
         if out is None:
             out = torch.zeros(*keys.shape[:3], dtype=torch.float32, device=keys.device)
+        if (weights is not None) != (self.weight == "output"):
+            raise ValueError(f"weights: kvzip with weight={self.weight!r} "
+                             f"{'needs' if weights is None else 'takes no'} output weights")
+        if weights is not None:
+            return weighted_maxima(queries, keys, *weights, out, scale=scale, gqa=self.gqa)
         return window_scores(queries, keys, lse=lse, scale=scale, gqa=self.gqa,
                                 qreduce="max", out=out)
