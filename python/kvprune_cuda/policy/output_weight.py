@@ -47,7 +47,8 @@ def weighted_maxima(queries: torch.Tensor, keys: torch.Tensor, key_weight: torch
     where ``p`` is the softmax of ``queries`` [B, Hq, W, D] over ``keys`` [B, Hkv, N, D]
     whose last W are the queries' own (query ``i`` sees keys ``0 .. N - W + i``), as
     ``kp.window_scores(..., qreduce="max")`` computes it unweighted. ``key_weight`` fp32
-    [B, Hq, M], ``query_weight`` fp32 [B, W]; ``scale`` default 1/sqrt(D)."""
+    [B, Hq, M] (>= 0: applied after the largest over the queries), ``query_weight`` fp32
+    [B, W]; ``scale`` default 1/sqrt(D)."""
     check_scale(scale)
     check_str("gqa", gqa, GQA)
     if queries.dim() != 4 or keys.dim() != 4:
@@ -67,20 +68,21 @@ def weighted_maxima(queries: torch.Tensor, keys: torch.Tensor, key_weight: torch
     g = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     rows = max(1, BLOCK // (b * g * n))
-    pos = torch.arange(n, device=keys.device)
+    own = torch.arange(n - w, n, device=keys.device)  # the queries' own keys: the only ones a query may not see
     for h in range(hkv):
-        q = queries[:, h * g:(h + 1) * g].float()                   # [B, G, W, D]
+        q = queries[:, h * g:(h + 1) * g].float() * scale           # [B, G, W, D]
         k = keys[:, h].float()                                      # [B, N, D]
-        kw = key_weight[:, h * g:(h + 1) * g, None, :].float()      # [B, G, 1, M]
         best = torch.zeros(b, g, m, device=keys.device)
         for i in range(0, w, rows):
             blk = q[:, :, i:i + rows]
-            logits = torch.einsum("bgwd,bnd->bgwn", blk, k) * scale
+            e = torch.einsum("bgwd,bnd->bgwn", blk, k)              # logits, then exp in place
             last = n - w + i + torch.arange(blk.shape[2], device=keys.device)  # each query's last key
-            logits.masked_fill_(pos[None, :] > last[:, None], float("-inf"))
-            p = torch.softmax(logits, -1)[..., :m] * kw
-            p = p * query_weight[:, None, i:i + blk.shape[2], None].float()
-            best = torch.maximum(best, p.amax(2))
+            e[..., n - w:].masked_fill_(own[None, :] > last[:, None], float("-inf"))
+            e.sub_(e.amax(-1, keepdim=True)).exp_()
+            # p * query_weight: each row over its sum divided by the query's weight
+            denom = e.sum(-1, keepdim=True) / query_weight[:, None, i:i + blk.shape[2], None].float()
+            best = torch.maximum(best, e[..., :m].div_(denom).amax(2))
+        best = best * key_weight[:, h * g:(h + 1) * g].float()    # >= 0: max(p * kw) = kw * max(p)
         red = best.amax(1) if gqa == "max" else best.sum(1) if gqa == "sum" else best.mean(1)
         out[:, h] = torch.maximum(out[:, h], red)
     return out
