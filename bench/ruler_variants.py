@@ -269,7 +269,7 @@ def _scorer_call_plus(self, module, st, hs, position_embeddings, k, v):
     kp.hf.scoring.fold_reconstruction(
         _PLUS.setdefault(module.layer_idx, kp.hf.scoring.LayerState()), plus, qn, None, k,
         self.n, self.span, getattr(module, "scaling", None),
-        kp.hf.reconstruct.output_weights(module, hs, v[:, :, :self.n]))
+        lambda s, e: kp.hf.reconstruct.output_weights(module, hs, v[:, :, s:e]))
 
 
 kp.hf.reconstruct.ReconstructionScorer.__call__ = _scorer_call_plus

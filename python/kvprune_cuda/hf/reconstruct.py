@@ -120,14 +120,16 @@ class ReconstructionScorer:
         qn, lse = self.lse.pop(module.layer_idx, (None, None))
         if qn is None:
             qn = post_rope_queries(module, hs, *position_embeddings)
-        weights = output_weights(module, hs, v[:, :, :self.n]) if self.kvzip.weight == "output" else None
+        weights = None
+        if self.kvzip.weight == "output":  # only the scored span's values: computed once per span
+            weights = lambda s, e: output_weights(module, hs, v[:, :, s:e])  # noqa: E731
         fold_reconstruction(st, self.kvzip, qn, lse, k, self.n, self.span,
                             getattr(module, "scaling", None), weights)
 
 
 def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """KVzip+'s weights for one reconstruction forward of ``module``: fp32 [B, Hq, n] the
-    output norm of each context value ``values`` [B, Hkv, n, D] per query head, fp32 [B, r]
+    """KVzip+'s weights for one reconstruction forward of ``module``: fp32 [B, Hq, m] the
+    output norm of each context value ``values`` [B, Hkv, m, D] per query head, fp32 [B, r]
     one over the norm of each query token's attention input ``hs`` [B, r, hidden]."""
     proj = getattr(module, "o_proj", None)
     if proj is None or getattr(proj, "weight", None) is None:

@@ -8,7 +8,7 @@ reconstruction maxima, and, once the layer is compressed, how its cache is laid 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -103,19 +103,21 @@ def accumulate_h2o(st: LayerState, h2o: "policies.H2O", qn: torch.Tensor, k: tor
 def fold_reconstruction(st: LayerState, kvzip: "policies.KVzip", qn: torch.Tensor,
                         lse: Optional[torch.Tensor], k: torch.Tensor, n: int,
                         span: Optional[tuple[int, int]], scale: Optional[float],
-                        weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+                        weights: Optional[Callable[[int, int], tuple]] = None) -> None:
     """One reconstruction chunk's maxima into ``st.kvzip`` (fp32 [B, Hkv, n]).
 
     ``qn`` [B, Hq, r, D] the chunk's reconstruction queries, ``k`` [B, Hkv, n + r, D] the
     context and their own keys; ``lse`` fp32 [B, Hq, r] their normaliser over all of ``k`` when
     the model's attention gave it. Softmax "all": over every key the query sees; "chunk": over
     the sinks, the chunk ``span = (start, end)`` and the reconstruction keys (two passes).
-    ``weights`` (kvzip's ``weight="output"``): fp32 [B, Hq, n] per context key, fp32 [B, r]
-    per query (:func:`~kvprune_cuda.hf.reconstruct.output_weights`)."""
+    ``weights`` (kvzip's ``weight="output"``): ``(start, end) ->`` the weights of the scored
+    keys ``[start, end)``, fp32 [B, Hq, end - start], and of the queries, fp32 [B, r]
+    (:func:`~kvprune_cuda.hf.reconstruct.output_weights`)."""
     if st.kvzip is None:
         st.kvzip = torch.zeros(k.shape[0], k.shape[1], n, dtype=torch.float32, device=k.device)
     if kvzip.softmax == "all":
-        kvzip.score(qn.to(k.dtype), k, lse=lse, scale=scale, out=st.kvzip, weights=weights)
+        kvzip.score(qn.to(k.dtype), k, lse=lse, scale=scale, out=st.kvzip,
+                    weights=None if weights is None else weights(0, n))
         return
     if span is None:
         raise RuntimeError("softmax 'chunk': each reconstruction forward needs its span "
@@ -124,9 +126,8 @@ def fold_reconstruction(st: LayerState, kvzip: "policies.KVzip", qn: torch.Tenso
     sink, r = min(kvzip.n_sink, s), qn.shape[2]
     keys = torch.cat([k[:, :, s:e], k[:, :, :sink], k[:, :, k.shape[2] - r:]], 2)
     chunk = st.kvzip[:, :, s:e].contiguous()  # the chunk's keys come first: out's M = e - s
-    if weights is not None:
-        weights = (weights[0][:, :, s:e], weights[1])
-    kvzip.score(qn.to(k.dtype), keys, scale=scale, out=chunk, weights=weights)
+    kvzip.score(qn.to(k.dtype), keys, scale=scale, out=chunk,
+                weights=None if weights is None else weights(s, e))
     st.kvzip[:, :, s:e] = chunk
 
 
