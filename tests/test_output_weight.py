@@ -1,11 +1,12 @@
-"""kvprune_cuda.policy.output_weight (KVzip+'s weighting), against a hand computation, the
-library's unweighted kernel (kp.window_scores) and float64 loops written here."""
+"""kvprune_cuda.policy.output_weight (KVzip+'s key weights) against a hand computation and a
+float64 projection per head; KVzip(weight=...) checked. The weighted maxima themselves:
+test_window_scores_weights.py."""
 
 import pytest
 import torch
 
 import kvprune_cuda as kp
-from kvprune_cuda.policy.output_weight import value_output_norms, weighted_maxima
+from kvprune_cuda.policy.output_weight import value_output_norms
 
 
 def test_value_output_norms_by_hand():
@@ -34,44 +35,6 @@ def test_value_output_norms_match_the_projection_per_head():
         value_output_norms(o_weight, values[0])
 
 
-@pytest.mark.parametrize("gqa", ["max", "mean", "sum"])
-def test_unit_weights_give_the_kernels_maxima(gqa):
-    g = torch.Generator().manual_seed(1)
-    b, hq, hkv, w, n, d, m = 2, 4, 2, 5, 12, 8, 7
-    q, k = torch.randn(b, hq, w, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
-    start = torch.rand(b, hkv, m, generator=g) * 0.3  # folded: max(out, new)
-    got = weighted_maxima(q, k, torch.ones(b, hq, m), torch.ones(b, w), start.clone(), gqa=gqa)
-    want = kp.window_scores(q, k, gqa=gqa, qreduce="max", out=start.clone())
-    assert torch.allclose(got, want, atol=1e-6)
-
-
-def test_weighted_maxima_against_a_float64_loop(monkeypatch):
-    monkeypatch.setattr("kvprune_cuda.policy.output_weight.BLOCK", 40)  # several query blocks
-    g = torch.Generator().manual_seed(2)
-    b, hq, hkv, w, n, d, m = 1, 4, 2, 6, 10, 4, 8
-    q, k = torch.randn(b, hq, w, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
-    kw, qw = torch.rand(b, hq, m, generator=g) * 3, torch.rand(b, w, generator=g) + 0.5
-    got = weighted_maxima(q, k, kw, qw, torch.zeros(b, hkv, m), scale=0.7, gqa="max")
-    want = torch.zeros(b, hkv, m, dtype=torch.float64)
-    for h in range(hq):
-        for i in range(w):
-            seen = n - w + i + 1  # query i sees itself and every key before it
-            logits = (k[0, h // 2, :seen].double() @ q[0, h, i].double()) * 0.7
-            p = torch.softmax(logits, 0)
-            for t in range(min(m, seen)):
-                want[0, h // 2, t] = max(want[0, h // 2, t], p[t] * kw[0, h, t] * qw[0, i])
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-7)
-
-
-def test_weighted_maxima_names_its_bad_arguments():
-    q, k, out = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 6, 4), torch.zeros(1, 1, 5)
-    kw, qw = torch.ones(1, 2, 5), torch.ones(1, 3)
-    for bad, name in [((q, k, kw[:, :1], qw, out), "key_weight"), ((q, k, kw, qw[:, :2], out), "query_weight"),
-                      ((q, k, kw, qw, torch.zeros(1, 1, 7)), "out"), ((q, k[..., :3], kw, qw, out), "keys")]:
-        with pytest.raises(ValueError, match=name):
-            weighted_maxima(*bad)
-
-
 def test_kvzip_weight_is_checked_and_needs_its_weights():
     with pytest.raises(ValueError, match="weight"):
         kp.policy.KVzip(weight="value")
@@ -81,6 +44,6 @@ def test_kvzip_weight_is_checked_and_needs_its_weights():
     with pytest.raises(ValueError, match="weights"):
         kp.policy.KVzip(weight="output").score(q, k)
     with pytest.raises(ValueError, match="weights"):
-        kp.policy.KVzip().score(q, k, weights=(torch.ones(1, 2, 6), torch.ones(1, 3)))
-    got = kp.policy.KVzip(weight="output").score(q, k, weights=(torch.full((1, 2, 6), 2.0), torch.ones(1, 3)))
+        kp.policy.KVzip().score(q, k, weights=(torch.ones(1, 2, 6), torch.ones(1, 2, 3)))
+    got = kp.policy.KVzip(weight="output").score(q, k, weights=(torch.full((1, 2, 6), 2.0), torch.ones(1, 2, 3)))
     assert torch.allclose(got, 2 * kp.policy.KVzip().score(q, k), atol=1e-6)

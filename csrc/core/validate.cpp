@@ -46,6 +46,8 @@ Status validate_sizes(const WindowScoresParams& p) {
     return Status::kInvalidArgument;
   if (p.qreduce != QueryReduce::kSum && p.qreduce != QueryReduce::kMax) return Status::kInvalidArgument;
   if (p.fold_length < 0 || p.fold_length > p.length) return Status::kInvalidArgument;
+  if ((p.query_weight != nullptr || p.key_weight != nullptr) && p.qreduce != QueryReduce::kMax)
+    return Status::kInvalidArgument;
   if (!dense(p.q) || !valid_layout(p.k, p.length)) return Status::kInvalidArgument;
   return Status::kOk;
 }

@@ -12,6 +12,8 @@
 //    end recomputes the logits, exponentiates against the lse and keeps the per-head
 //    maximum of each key over the rows (column_max), then reduces over the group and
 //    writes or folds the chunk's scores. Chunks own their keys: no races.
+//  * Weights: each row's query weight is folded into its lse (weighted_lse2), each
+//    head's key weights multiply its maxima before the group reduction.
 // No [keys][rows] buffer spans more than one chunk and one row block.
 #include <algorithm>
 #include <cmath>
@@ -119,6 +121,24 @@ void row_lse(const HeadView& head, const Sizes& z, const Workspace& ws, const Cp
   }
 }
 
+// lse2[r] of every packed row r = h*W + i with query weight qw[b, g*G + h, i] folded in.
+void weigh_queries(const HeadView& head, const Sizes& z, float* lse2) {
+  const WindowScoresParams& p = *head.p;
+  const float* qw = p.query_weight + (head.b * p.q_heads + head.g * z.group) * p.window;
+  for (int64_t r = 0; r < z.rows; ++r) lse2[r] = weighted_lse2(lse2[r], qw[r]);
+}
+
+// heads[h][j] *= kw[b, g*G + h, first + j] for the chunk's scored keys j < count.
+// heads: [group][kChunkKeys].
+void weigh_keys(const HeadView& head, const Sizes& z, int64_t first, int64_t count, float* heads) {
+  const WindowScoresParams& p = *head.p;
+  const int64_t m = score_row_length(p);
+  for (int64_t h = 0; h < z.group; ++h) {
+    const float* kw = p.key_weight + (head.b * p.q_heads + head.g * z.group + h) * m + first;
+    for (int64_t j = 0; j < count; ++j) heads[h * kChunkKeys + j] *= applied_key_weight(kw[j]);
+  }
+}
+
 // Pass 2: scores of keys [0, min(len, score row length)), written or folded into out.
 void row_scores(const HeadView& head, const Sizes& z, const Workspace& ws, float* out,
                 const CpuExecutor& exec) {
@@ -139,6 +159,7 @@ void row_scores(const HeadView& head, const Sizes& z, const Workspace& ws, float
         head.kernels->exp_minus(tile, rows, count, ws.lse2 + row0);
         head.kernels->column_max(tile, rows, count, row0, z.rows, p.window, heads);
       }
+      if (p.key_weight != nullptr) weigh_keys(head, z, first, std::min(count, scored - first), heads);
       for (int64_t j = 0; j < std::min(count, scored - first); ++j) {
         float v = 0.f;  // the GQA reduction of the per-head maxima (all >= 0)
         for (int64_t h = 0; h < z.group; ++h) {
@@ -179,6 +200,7 @@ void window_scores_qmax(const WindowScoresParams& p, const WindowScoresKernels& 
       } else {
         row_lse(head, z, ws, exec);
       }
+      if (p.query_weight != nullptr) weigh_queries(head, z, ws.lse2);
       row_scores(head, z, ws, out, exec);
     }
   }

@@ -10,16 +10,19 @@
 //  * no lse: a stats pass writes per-chunk softmax states, a combine kernel turns
 //    them into lse, then the probs pass runs on that lse.
 // qreduce = max takes a max instead of a sum over a head's rows in the probs pass and
-// finishes each head before the GQA reduction. With fold_length = M > 0 the probs
+// finishes each head before the GQA reduction, where its key weights apply; query
+// weights are folded into the lse the probs pass reads (by the combine kernel, or by a
+// weighting kernel into the workspace when the caller gave the lse). With fold_length = M > 0 the probs
 // pass covers keys [0, M) only and folds them into the caller's scores at the final
 // store (probs kernel, or split reduce).
 // When the tensor-core path spreads a group's query heads over several CTAs (too
-// many rows for shared memory), the probs pass writes one score array per split
-// into the workspace and a split-reduce kernel finishes the scores.
+// many rows for shared memory, or key weights: one head per CTA, weighted at the
+// store), the probs pass writes one score array per split into the workspace and a
+// split-reduce kernel finishes the scores.
 //
 // Workspace layout (only the parts needed, each 256-byte aligned):
 //   stats    float2 [num_chunks, batch*q_heads*window]   no lse
-//   lse      float  [batch, q_heads, window]              no lse
+//   lse      float  [batch, q_heads, window]              no lse, or query weights
 //   partial  float  [splits, batch, kv_heads, M]          splits > 1 (M = score row length)
 
 #include <algorithm>
@@ -105,7 +108,9 @@ PassPlan mma_plan(const WindowScoresParams& p, Pass pass, const DeviceLimits& de
   PassPlan plan;
   const int64_t group = group_size(p);
   const int64_t head_bytes = 16 * ceil_div(p.window, 16) * Shape::row_bytes(pass);
-  const int64_t heads_that_fit = std::min(group, dev.max_smem_per_cta / head_bytes);
+  // Key weights apply to each query head's maxima (kProbsMax): one head per CTA.
+  const int64_t heads = pass == Pass::kProbs && p.key_weight != nullptr ? 1 : group;
+  const int64_t heads_that_fit = std::min(heads, dev.max_smem_per_cta / head_bytes);
   if (heads_that_fit < 1) return plan;
   plan.fits = true;
   plan.splits = ceil_div(group, heads_that_fit);
@@ -172,6 +177,8 @@ WorkspaceLayout workspace_layout(const WindowScoresParams& p, const Plan& plan) 
   if (p.lse == nullptr) {
     layout.stats = offset;
     offset = align_256(offset + static_cast<size_t>(plan.stats.num_chunks) * rows_total * sizeof(float2));
+  }
+  if (p.lse == nullptr || p.query_weight != nullptr) {
     layout.lse = offset;
     offset = align_256(offset + rows_total * sizeof(float));
   }
@@ -219,6 +226,7 @@ KernelArgs pass_args(const WindowScoresParams& p, const PassPlan& plan) {
   a.reduce_max = p.reduce == GqaReduce::kMax ? 1 : 0;
   a.scale_log2 = p.scale * window_scores_impl::kLog2e;
   a.out_scale = 1.f;
+  a.key_weight = p.key_weight;
   a.heads_per_cta = static_cast<int>(plan.heads_per_cta);
   a.tiles_per_chunk = static_cast<int>(plan.tiles_per_chunk);
   a.num_chunks = static_cast<int>(plan.num_chunks);
@@ -339,16 +347,23 @@ Status window_scores_cuda(const WindowScoresParams& p, void* workspace, size_t w
   const float mean_scale = p.reduce == GqaReduce::kMean ? 1.f / static_cast<float>(group_size(p)) : 1.f;
 
   KernelArgs probs = pass_args(p, plan.probs);
+  const int64_t rows_total = p.batch * p.q_heads * p.window;
+  float* lse = reinterpret_cast<float*>(ws + layout.lse);
+  if (p.lse != nullptr && p.query_weight != nullptr) {
+    simt::launch<window_scores_impl::window_scores_lse_weight_kernel>(
+        small_kernel_blocks(rows_total, dev), kReduceThreads, 0, stream, p.lse, p.query_weight, lse,
+        rows_total);
+    probs.lse = lse;
+  }
   if (p.lse == nullptr) {
     KernelArgs stats = pass_args(p, plan.stats);
     stats.stats = reinterpret_cast<float2*>(ws + layout.stats);
     if (launch_pass<Pass::kStats>(p, plan.tensor_cores, stats, plan.stats, dev.max_smem_per_cta,
                                   stream) != cudaSuccess)
       return Status::kCudaError;
-    const int64_t rows_total = p.batch * p.q_heads * p.window;
-    float* lse = reinterpret_cast<float*>(ws + layout.lse);
     simt::launch<window_scores_impl::window_scores_lse_combine_kernel>(
-        small_kernel_blocks(rows_total, dev), kReduceThreads, 0, stream, stats.stats, p.seq_lens, lse, rows_total, p.q_heads * p.window, stats.length,
+        small_kernel_blocks(rows_total, dev), kReduceThreads, 0, stream, stats.stats, p.seq_lens,
+        p.query_weight, lse, rows_total, p.q_heads * p.window, stats.length,
         static_cast<int>(plan.stats.tiles_per_chunk * plan.stats.tile_keys));
     probs.lse = lse;
   }

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kvprune/fp8.h"
+#include "kvprune/params.h"
 
 KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace window_scores_impl {
@@ -43,6 +44,7 @@ struct KernelArgs {
   const int32_t* seq_lens;  // [batch] or null
   float2* stats;            // out: [num_chunks, batch*q_heads*window] (m, l) (Pass::kStats)
   float* out;               // out: [splits, batch, kv_heads, out_length] scores (probs passes)
+  const float* key_weight;  // [batch, q_heads, out_length] (kProbsMax), or null
   int length;               // N (the launcher guarantees length + key tile < 2^31)
   int out_length;           // keys per score row of out (probs passes): N, or M when folding
   int fold;                 // 1: fold into out (max for kProbsMax, else add), 0: store
@@ -75,6 +77,14 @@ __device__ __forceinline__ const T* window_scores_key(const KernelArgs& a, int b
 __device__ __forceinline__ float window_scores_scale_log2(const KernelArgs& a, int kv_head) {
   if (a.k_scale == nullptr) return a.scale_log2;
   return a.scale_log2 * __ldg(a.k_scale + (a.k_scale_per_head ? kv_head : 0));
+}
+
+// A finished query head's maximum of key `key` times its key weight (kProbsMax; none: 1).
+// q_head: b * q_heads + query head; key < a.out_length.
+__device__ __forceinline__ float window_scores_weigh_key(const KernelArgs& a, float head_max,
+                                                         int64_t q_head, int key) {
+  if (a.key_weight == nullptr) return head_max;
+  return head_max * applied_key_weight(__ldg(a.key_weight + q_head * a.out_length + key));
 }
 
 // Valid length of batch row b: seq_lens[b] clamped to [0, length], or length.

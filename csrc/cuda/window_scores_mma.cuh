@@ -274,8 +274,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
     }
 
     if constexpr (kProbs) {
-      const float value = per_head ? own : window_scores_own_column<kKeyTiles>(head_sum, 0);
-      const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);
+      float value = per_head ? own : window_scores_own_column<kKeyTiles>(head_sum, 0);
+      const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);  // the lane's key column
+      // Key weights: the plan gives each CTA one query head (head0), so they apply here.
+      if (kQueryMax && key < n && key < key_limit)
+        value = window_scores_weigh_key(a, value, q_head0, key);
       if (g < 2 * kKeyTiles && key < key_limit)
         window_scores_store(out(), key, value * a.out_scale, a.fold, kQueryMax);
     }

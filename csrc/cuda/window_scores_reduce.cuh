@@ -1,5 +1,6 @@
-// The two small kernels between and after the window_scores score passes:
+// The small kernels between and after the window_scores score passes:
 //  * lse combine: per-chunk softmax states of pass 1 -> lse of every query row;
+//  * lse weighting: the caller's lse with the query weights folded in;
 //  * split reduce: per-split scores (query heads split across CTAs) -> scores.
 #pragma once
 
@@ -9,15 +10,20 @@
 KVPRUNE_CUDA_NAMESPACE_BEGIN
 namespace window_scores_impl {
 
-// lse[r] = ln(sum over the row's visible keys of exp(logit)) for every query row
-// r of [batch, q_heads, window]; -inf for a row that sees no key. Only chunks
-// holding a valid key were written by pass 1, and only those are read.
+// Natural-log lse of a row from its base-2 lse2, with query weight w folded in (null: none).
+__device__ __forceinline__ float window_scores_weighted_lse(float lse2, const float* w) {
+  return (w == nullptr ? lse2 : weighted_lse2(lse2, __ldg(w))) * kLn2;
+}
+
+// lse[r] = ln(sum over the row's visible keys of exp(logit)) - ln(query_weight[r]) for
+// every query row r of [batch, q_heads, window]; -inf for a row that sees no key. Only
+// chunks holding a valid key were written by pass 1, and only those are read.
 // stats: [num_chunks, rows_total] (m, l) in log2 units; seq_lens: [batch] or null;
-// lse: out [batch, q_heads, window] = [rows_total].
+// query_weight: [rows_total] or null (weight 1); lse: out [batch, q_heads, window] = [rows_total].
 __global__ void window_scores_lse_combine_kernel(const float2* stats, const int32_t* seq_lens,
-                                                 float* lse, int64_t rows_total,
-                                                 int64_t rows_per_batch, int length,
-                                                 int keys_per_chunk) {
+                                                 const float* query_weight, float* lse,
+                                                 int64_t rows_total, int64_t rows_per_batch,
+                                                 int length, int keys_per_chunk) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows_total;
        r += stride) {
@@ -25,8 +31,21 @@ __global__ void window_scores_lse_combine_kernel(const float2* stats, const int3
     const int chunks = (n + keys_per_chunk - 1) / keys_per_chunk;
     float2 state = make_float2(-INFINITY, 0.f);
     for (int c = 0; c < chunks; ++c) state = window_scores_merge(state, stats[c * rows_total + r]);
-    lse[r] = state.x == -INFINITY ? -INFINITY : (state.x + log2f(state.y)) * kLn2;
+    lse[r] = state.x == -INFINITY
+                 ? -INFINITY
+                 : window_scores_weighted_lse(state.x + log2f(state.y),
+                                              query_weight == nullptr ? nullptr : query_weight + r);
   }
+}
+
+// weighted[r] = lse[r] - ln(query_weight[r]) for every query row r (+inf where the weight
+// counts as 0). lse, query_weight, weighted: [rows_total] = [batch, q_heads, window].
+__global__ void window_scores_lse_weight_kernel(const float* lse, const float* query_weight,
+                                                float* weighted, int64_t rows_total) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows_total;
+       r += stride)
+    weighted[r] = window_scores_weighted_lse(__ldg(lse + r) * kLog2e, query_weight + r);
 }
 
 // scores[e] = out_scale * (sum or max over s of partial[s, e]), stored or folded

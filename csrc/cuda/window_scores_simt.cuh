@@ -161,6 +161,8 @@ __global__ void KVPRUNE_SIMT_LAUNCH_BOUNDS
     if constexpr (kProbs) {
 #pragma unroll
       for (int c = 0; c < kKeys; ++c) {
+        if (kQueryMax && col(c) < min(valid_keys, stored_keys))
+          head_sum[c] = window_scores_weigh_key(a, head_sum[c], q_head, tile_key0 + col(c));
         group_acc[c] = a.reduce_max ? fmaxf(group_acc[c], head_sum[c]) : group_acc[c] + head_sum[c];
       }
     }

@@ -13,6 +13,7 @@
 //    fewer than `budget` tokens is padded with -1.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 
@@ -82,6 +83,7 @@ KVPRUNE_HOST_DEVICE int64_t contiguous_tokens(const Tokens& x, int64_t t) {
 // SnapKV observation-window voting (DESIGN §1, stage 2).
 //   a[h,i,j] = softmax_j(q[h,i].k[h/G,j] * scale) over j <= len-window+i
 //   s[h,j] = sum_i a[h,i,j] (qreduce kSum) or max_i a[h,i,j] (kMax; invisible pairs count as 0)
+//   kMax with weights: s[h,j] = kw[h,j] * max_i qw[h,i] * a[h,i,j] (a missing weight is 1)
 //   new[g,j] = reduce_{h in group g} s[h,j]
 // With lse: a = exp(q.k*scale - lse[h,i]) and no normalisation pass.
 // Queries whose position len-window+i is negative (len < window) contribute nothing.
@@ -113,7 +115,20 @@ struct WindowScoresParams {
   GqaReduce reduce = GqaReduce::kMean;
   QueryReduce qreduce = QueryReduce::kSum;
   int64_t fold_length = 0;  // 0: write scores; M in [1, length]: fold keys [0, M) into scores
+  // qreduce = kMax only (KVzip+'s weighting): qw and kw above. A weight that is not > 0
+  // (NaN included) counts as 0.
+  const float* query_weight = nullptr;  // [batch, q_heads, window] contiguous fp32, or null
+  const float* key_weight = nullptr;    // [batch, q_heads, fold_length or length] contiguous fp32, or null
 };
+
+// A query row's base-2 normaliser with its query weight w folded in: exp2(x - result) =
+// w * exp2(x - lse2). +inf (the row adds nothing) where w is not > 0 (NaN included).
+KVPRUNE_HOST_DEVICE float weighted_lse2(float lse2, float w) {
+  return w > 0.f ? lse2 - log2f(w) : INFINITY;
+}
+
+// A key weight as applied: w where w > 0, else 0 (NaN included).
+KVPRUNE_HOST_DEVICE float applied_key_weight(float w) { return w > 0.f ? w : 0.f; }
 
 // K's element type.
 inline DType key_dtype(const WindowScoresParams& p) { return p.k_dtype.value_or(p.dtype); }

@@ -150,16 +150,21 @@ const int32_t* seq_lens_data(const std::optional<at::Tensor>& seq_lens, int64_t 
   return lens.data_ptr<int32_t>();
 }
 
+const float* per_query_head_data(const std::optional<at::Tensor>& t, const char* name,
+                                 int64_t last, const at::Tensor& q) {
+  if (!t.has_value()) return nullptr;
+  const at::Tensor& x = *t;
+  const int64_t batch = q.size(0), q_heads = q.size(1);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, name, " must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(0) == batch && x.size(1) == q_heads && x.size(2) == last,
+                    name, " must have shape [", batch, ", ", q_heads, ", ", last, "], got ", x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), name, " must be contiguous");
+  check_same_device(x, name, q, "q");
+  return x.data_ptr<float>();
+}
+
 const float* lse_data(const std::optional<at::Tensor>& lse, const at::Tensor& q) {
-  if (!lse.has_value()) return nullptr;
-  const at::Tensor& l = *lse;
-  const int64_t batch = q.size(0), q_heads = q.size(1), window = q.size(2);
-  TORCH_CHECK_TYPE(l.scalar_type() == at::kFloat, "lse must be float32, got ", l.scalar_type());
-  TORCH_CHECK_VALUE(l.dim() == 3 && l.size(0) == batch && l.size(1) == q_heads && l.size(2) == window,
-                    "lse must have shape [", batch, ", ", q_heads, ", ", window, "], got ", l.sizes());
-  TORCH_CHECK_VALUE(l.is_contiguous(), "lse must be contiguous");
-  check_same_device(l, "lse", q, "q");
-  return l.data_ptr<float>();
+  return per_query_head_data(lse, "lse", q.size(2), q);
 }
 
 GqaReduce parse_gqa(const std::string& gqa) {

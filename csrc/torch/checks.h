@@ -57,8 +57,11 @@ at::Tensor allocate_workspace(size_t bytes, const at::Tensor& like);
 size_t cpu_workspace_bytes();
 void release_cpu_workspace();
 
-// lse: optional contiguous fp32 [batch, q_heads, window] of the queries q [B, Hq, W, D], on
-// q's device; returns its data pointer or null.
+// t (named `name`): optional contiguous fp32 [batch, q_heads, last] beside the queries
+// q [B, Hq, W, D], on q's device; returns its data pointer or null.
+const float* per_query_head_data(const std::optional<at::Tensor>& t, const char* name,
+                                 int64_t last, const at::Tensor& q);
+// lse: the same with last = W.
 const float* lse_data(const std::optional<at::Tensor>& lse, const at::Tensor& q);
 
 GqaReduce parse_gqa(const std::string& gqa);

@@ -140,6 +140,20 @@ void check_fold_out(const at::Tensor& out, const WindowScoresParams& p, const at
   if (seq_lens.has_value()) check_disjoint(out, "out", *seq_lens, "seq_lens");
 }
 
+// KVzip+'s weights (qreduce "max" only): query_weight fp32 [B, Hq, W], key_weight fp32
+// [B, Hq, M] for the score row's M keys; neither may overlap scores (out).
+void set_weights(WindowScoresParams& p, const at::Tensor& q, const std::optional<at::Tensor>& query_weight,
+                 const std::optional<at::Tensor>& key_weight, const at::Tensor* out) {
+  if (!query_weight.has_value() && !key_weight.has_value()) return;
+  TORCH_CHECK_VALUE(p.qreduce == QueryReduce::kMax,
+                    "query_weight and key_weight weigh the maxima: they need qreduce='max'");
+  p.query_weight = per_query_head_data(query_weight, "query_weight", p.window, q);
+  p.key_weight = per_query_head_data(key_weight, "key_weight", score_row_length(p), q);
+  if (out == nullptr) return;
+  if (query_weight.has_value()) check_disjoint(*out, "out", *query_weight, "query_weight");
+  if (key_weight.has_value()) check_disjoint(*out, "out", *key_weight, "key_weight");
+}
+
 void run_window_scores(const Backend& be, WindowScoresParams& p, const at::Tensor& q,
                        float* scores) {
   const c10::DeviceGuard guard(q.device());
@@ -154,9 +168,12 @@ void run_window_scores(const Backend& be, WindowScoresParams& p, const at::Tenso
 at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                          const std::optional<at::Tensor>& lse, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale) {
+                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& query_weight,
+                         const std::optional<at::Tensor>& key_weight) {
   WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
   p.qreduce = parse_qreduce(qreduce);
+  set_weights(p, q, query_weight, key_weight, nullptr);
   at::Tensor scores = at::empty({p.batch, p.kv_heads, p.length}, q.options().dtype(at::kFloat));
   run_window_scores(be, p, q, scores.data_ptr<float>());
   return scores;
@@ -166,11 +183,14 @@ void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor&
                        const std::optional<at::Tensor>& lse, std::optional<double> scale,
                        const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
                        const std::string& qreduce, at::Tensor& out,
-                       const std::optional<at::Tensor>& k_scale) {
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& query_weight,
+                       const std::optional<at::Tensor>& key_weight) {
   WindowScoresParams p = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
   p.qreduce = parse_qreduce(qreduce);
   check_fold_out(out, p, q, k, lse, seq_lens);
   p.fold_length = out.size(2);
+  set_weights(p, q, query_weight, key_weight, &out);
   run_window_scores(be, p, q, out.data_ptr<float>());
 }
 

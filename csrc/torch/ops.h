@@ -18,18 +18,23 @@ using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // q [B,Hq,W,D], k [B,Hkv,N,D] (q's dtype, or fp8 with k_scale fp32 [] / [Hkv]),
-// lse [B,Hq,W] fp32 -> scores fp32 [B,Hkv,N]
+// lse [B,Hq,W] fp32, with qreduce "max" query_weight [B,Hq,W] and key_weight [B,Hq,N]
+// fp32 -> scores fp32 [B,Hkv,N]
 at::Tensor window_scores(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                          const std::optional<at::Tensor>& lse, std::optional<double> scale,
                          const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
-                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale);
-// The same, folded into out fp32 [B,Hkv,M] (1 <= M <= N): keys [0, M) only,
-// max(out, new) for qreduce "max", out + new for "sum".
+                         const std::string& qreduce, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& query_weight,
+                         const std::optional<at::Tensor>& key_weight);
+// The same, folded into out fp32 [B,Hkv,M] (1 <= M <= N): keys [0, M) only (key_weight
+// [B,Hq,M]), max(out, new) for qreduce "max", out + new for "sum".
 void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                        const std::optional<at::Tensor>& lse, std::optional<double> scale,
                        const std::string& gqa, const std::optional<at::Tensor>& seq_lens,
                        const std::string& qreduce, at::Tensor& out,
-                       const std::optional<at::Tensor>& k_scale);
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& query_weight,
+                       const std::optional<at::Tensor>& key_weight);
 // scores fp32 [B,H,N] -> fp32 [B,H,N]
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
                        const std::string& mode, int64_t window,
@@ -72,16 +77,22 @@ struct OpsFor {
                                        std::optional<double> scale, std::string gqa,
                                        const std::optional<at::Tensor>& seq_lens,
                                        std::string qreduce,
-                                       const std::optional<at::Tensor>& k_scale) {
-    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, k_scale);
+                                       const std::optional<at::Tensor>& k_scale,
+                                       const std::optional<at::Tensor>& query_weight,
+                                       const std::optional<at::Tensor>& key_weight) {
+    return window_scores(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, k_scale,
+                         query_weight, key_weight);
   }
   static void window_scores_out_impl(const at::Tensor& q, const at::Tensor& k,
                                      const std::optional<at::Tensor>& lse,
                                      std::optional<double> scale, std::string gqa,
                                      const std::optional<at::Tensor>& seq_lens,
                                      std::string qreduce, at::Tensor out,
-                                     const std::optional<at::Tensor>& k_scale) {
-    window_scores_out(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale);
+                                     const std::optional<at::Tensor>& k_scale,
+                                     const std::optional<at::Tensor>& query_weight,
+                                     const std::optional<at::Tensor>& key_weight) {
+    window_scores_out(Backends::get(), q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale,
+                      query_weight, key_weight);
   }
   static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
                                      std::string mode, int64_t window,

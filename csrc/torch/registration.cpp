@@ -5,9 +5,11 @@
 
 TORCH_LIBRARY(kvprune, m) {
   m.def("window_scores(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens, "
-        "str qreduce=\"sum\", Tensor? k_scale=None) -> Tensor");
+        "str qreduce=\"sum\", Tensor? k_scale=None, Tensor? query_weight=None, "
+        "Tensor? key_weight=None) -> Tensor");
   m.def("window_scores_out(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens, "
-        "str qreduce, Tensor(a!) out, Tensor? k_scale=None) -> ()");
+        "str qreduce, Tensor(a!) out, Tensor? k_scale=None, Tensor? query_weight=None, "
+        "Tensor? key_weight=None) -> ()");
   m.def("pool_scores(Tensor scores, int kernel_size, str mode, int window, Tensor? seq_lens) -> Tensor");
   m.def("select_keep(Tensor scores, int budget, int n_sink, int window, Tensor? seq_lens) -> Tensor");
   m.def("gather_kv(Tensor k, Tensor v, Tensor idx) -> (Tensor, Tensor)");

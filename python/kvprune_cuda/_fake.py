@@ -13,12 +13,14 @@ def _kept(k: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("kvprune::window_scores")
-def _window_scores(q, k, lse, scale, gqa, seq_lens, qreduce="sum", k_scale=None):
+def _window_scores(q, k, lse, scale, gqa, seq_lens, qreduce="sum", k_scale=None,
+                   query_weight=None, key_weight=None):
     return q.new_empty((q.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
 
 
 @torch.library.register_fake("kvprune::window_scores_out")
-def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale=None):
+def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale=None,
+                       query_weight=None, key_weight=None):
     return None
 
 

@@ -52,6 +52,8 @@ def window_scores(
     qreduce: str = "sum",
     out: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
+    query_weight: Optional[torch.Tensor] = None,
+    key_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention mass each cached key receives from the last W queries (SnapKV voting).
 
@@ -76,6 +78,11 @@ def window_scores(
             gives max(out, 0)). Chunks of queries fold one after another into one out.
         k_scale: optional fp32 tensor of shape [] or [Hkv] (per KV head): an fp8 K's
             dequantisation scale, as vLLM and TensorRT-LLM store fp8 caches (default 1).
+        query_weight, key_weight: optional fp32 contiguous [B, Hq, W] and [B, Hq, M] (M:
+            out's last dim, else N), qreduce "max" only: query head h's score of key j is
+            ``key_weight[b,h,j] * max_i(query_weight[b,h,i] * p[b,h,i,j])`` before the GQA
+            reduction (KVzip+'s output weighting; a missing weight is 1). A weight that is
+            not > 0 (NaN included) counts as 0.
 
     Returns:
         fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.
@@ -84,8 +91,10 @@ def window_scores(
     check_str("gqa", gqa, ("mean", "max", "sum"))
     check_str("qreduce", qreduce, ("sum", "max"))
     if out is None:
-        return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce, k_scale)
-    _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale)
+        return _ops.window_scores(q, k, lse, scale, gqa, seq_lens, qreduce, k_scale,
+                                  query_weight, key_weight)
+    _ops.window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale,
+                           query_weight, key_weight)
     return out
 
 

@@ -37,6 +37,8 @@ def window_scores(
     seq_lens: Optional[torch.Tensor] = None,
     qreduce: str = "sum",
     out: Optional[torch.Tensor] = None,
+    query_weight: Optional[torch.Tensor] = None,
+    key_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention mass each key receives from the last W queries, per KV head.
 
@@ -46,6 +48,9 @@ def window_scores(
     exp(q.k*scale - lse). Queries at negative positions (n < W) contribute nothing.
     Per query head the W probabilities of key j combine by qreduce: "sum", or "max"
     (invisible pairs count as 0); then the group's heads combine by gqa.
+    qreduce "max" only: query_weight [B,Hq,W] multiplies each probability before the max,
+    key_weight [B,Hq,M] (M: out's last dim, else N) each head's maximum after it; a weight
+    that is not > 0 (NaN included) counts as 0, a missing one is 1.
     Returns fp32 [B,Hkv,N]; positions >= n are 0.
     With out (fp32 [B,Hkv,M], 1 <= M <= N) returns fold(out, new[..., :M]) instead,
     new being the result above and fold max (qreduce "max") or + ("sum"); out itself
@@ -56,6 +61,16 @@ def window_scores(
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
+    m = length if out is None else out.shape[2]
+
+    def applied(weight, shape):  # float64 weights, 0 where not > 0
+        if weight is None:
+            return torch.ones(shape, dtype=torch.float64)
+        w = weight.double().cpu()
+        return torch.where(w > 0, w, torch.zeros((), dtype=torch.float64))
+
+    qw = applied(query_weight, (batch, q_heads, window))
+    kw = torch.nn.functional.pad(applied(key_weight, (batch, q_heads, m)), (0, length - m))
     for b, n in enumerate(_row_lengths(batch, length, seq_lens)):
         positions = torch.arange(n - window, n)  # position of each window query
         visible = torch.arange(n)[None, :] <= positions[:, None]  # [W, n]
@@ -67,7 +82,10 @@ def window_scores(
             else:
                 probs = torch.exp(logits - lse[b, h].double().cpu()[:, None])
             probs = torch.nan_to_num(probs, nan=0.0).masked_fill(~visible, 0.0)  # rows with n < W
-            per_head = probs.amax(dim=0) if qreduce == "max" else probs.sum(dim=0)  # [n]
+            if qreduce == "max":
+                per_head = (probs * qw[b, h, :, None]).amax(dim=0) * kw[b, h, :n]  # [n]
+            else:
+                per_head = probs.sum(dim=0)  # [n]
             g = h // group
             first = h % group == 0
             if gqa == "max":

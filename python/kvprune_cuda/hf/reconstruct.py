@@ -129,13 +129,16 @@ class ReconstructionScorer:
 
 def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KVzip+'s weights for one reconstruction forward of ``module``: fp32 [B, Hq, m] the
-    output norm of each context value ``values`` [B, Hkv, m, D] per query head, fp32 [B, r]
-    one over the norm of each query token's attention input ``hs`` [B, r, hidden]."""
+    output norm of each context value ``values`` [B, Hkv, m, D] per query head, fp32
+    [B, Hq, r] one over the norm of each query token's attention input ``hs`` [B, r, hidden]
+    (the same for every head)."""
     proj = getattr(module, "o_proj", None)
     if proj is None or getattr(proj, "weight", None) is None:
         raise ValueError(f"weight: kvzip's 'output' weighting needs the attention's o_proj; "
                          f"{type(module).__name__} has none")
-    return value_output_norms(proj.weight, values), 1.0 / hs.float().norm(dim=-1)
+    key_weight = value_output_norms(proj.weight, values)
+    query_weight = 1.0 / hs.float().norm(dim=-1)  # [B, r]
+    return key_weight, query_weight[:, None].expand(-1, key_weight.shape[1], -1).contiguous()
 
 
 def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, int]]],

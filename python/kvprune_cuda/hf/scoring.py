@@ -111,7 +111,7 @@ def fold_reconstruction(st: LayerState, kvzip: "policies.KVzip", qn: torch.Tenso
     the model's attention gave it. Softmax "all": over every key the query sees; "chunk": over
     the sinks, the chunk ``span = (start, end)`` and the reconstruction keys (two passes).
     ``weights`` (kvzip's ``weight="output"``): ``(start, end) ->`` the weights of the scored
-    keys ``[start, end)``, fp32 [B, Hq, end - start], and of the queries, fp32 [B, r]
+    keys ``[start, end)``, fp32 [B, Hq, end - start], and of the queries, fp32 [B, Hq, r]
     (:func:`~kvprune_cuda.hf.reconstruct.output_weights`)."""
     if st.kvzip is None:
         st.kvzip = torch.zeros(k.shape[0], k.shape[1], n, dtype=torch.float32, device=k.device)

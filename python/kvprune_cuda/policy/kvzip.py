@@ -11,7 +11,6 @@ from kvprune_cuda._ops import window_scores
 from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
 from kvprune_cuda.policy.novelty import reserve_novel
-from kvprune_cuda.policy.output_weight import weighted_maxima
 from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.reserve import reserve_top
 from kvprune_cuda.policy.registry import register
@@ -84,13 +83,13 @@ class KVzip(Policy):
         """Folds the maxima of ``queries`` (one reconstruction chunk) into ``out`` (fp32
         ``[B, Hkv, M]``, the first M of ``keys``; a new zero buffer if None). ``weights``
         (with ``weight="output"``, and only then): fp32 ``[B, Hq, M]`` per query head and
-        key, fp32 ``[B, W]`` per query (:func:`~kvprune_cuda.policy.output_weight.weighted_maxima`)."""
+        key, fp32 ``[B, Hq, W]`` per query (``kp.window_scores``'s key_weight and
+        query_weight)."""
         if out is None:
             out = torch.zeros(*keys.shape[:3], dtype=torch.float32, device=keys.device)
         if (weights is not None) != (self.weight == "output"):
             raise ValueError(f"weights: kvzip with weight={self.weight!r} "
                              f"{'needs' if weights is None else 'takes no'} output weights")
-        if weights is not None:
-            return weighted_maxima(queries, keys, *weights, out, scale=scale, gqa=self.gqa)
-        return window_scores(queries, keys, lse=lse, scale=scale, gqa=self.gqa,
-                                qreduce="max", out=out)
+        key_weight, query_weight = (None, None) if weights is None else weights
+        return window_scores(queries, keys, lse=lse, scale=scale, gqa=self.gqa, qreduce="max",
+                             out=out, query_weight=query_weight, key_weight=key_weight)
