@@ -72,10 +72,10 @@ def our_policies(args) -> dict:
 
 
 def kvzip_options(args) -> dict:
-    """kvzip's options of the run (--kvzip-softmax, --kvzip-head-floor, --kvzip-novelty); the
-    other policies have none of them (kp.policy.make ignores them there)."""
+    """kvzip's options of the run (--kvzip-softmax, --kvzip-head-floor, --kvzip-novelty,
+    --kvzip-weight); the other policies have none of them (kp.policy.make ignores them there)."""
     return {"softmax": args.kvzip_softmax, "head_floor": args.kvzip_head_floor,
-            "novelty": args.kvzip_novelty}
+            "novelty": args.kvzip_novelty, "weight": args.kvzip_weight}
 
 
 def selected(methods, args):
@@ -84,10 +84,12 @@ def selected(methods, args):
             if m[0] == "full" or run_name(args, *m) in args.policies]
 
 
-def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0, head_floor=0.0):
+def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0, head_floor=0.0, weight="none"):
     """E.g. "kvzip-head@10%"; kvzip scored with softmax "all" is "kvzip-all...", with
-    ``novelty=0.5`` "kvzip-nov50...", with ``head_floor=0.5`` "kvzip-fl50..."."""
+    ``weight="output"`` "kvzip-plus...", with ``novelty=0.5`` "kvzip-nov50...", with
+    ``head_floor=0.5`` "kvzip-fl50..."."""
     base = policy + ("-all" if policy == "kvzip" and softmax == "all" else "")
+    base += "-plus" if policy == "kvzip" and weight == "output" else ""
     base += f"-fl{int(round(head_floor * 100))}" if policy == "kvzip" and head_floor else ""
     base += f"-nov{int(round(novelty * 100))}" if policy == "kvzip" and novelty else ""
     base += "" if scope == "layer" else f"-{scope}"
@@ -97,7 +99,7 @@ def name_of(policy, scope, frac=None, softmax="chunk", novelty=0.0, head_floor=0
 def run_name(args, policy, scope, frac=None):
     """:func:`name_of` with the run's kvzip options (:func:`kvzip_options`)."""
     return name_of(policy, scope, frac, args.kvzip_softmax, args.kvzip_novelty,
-                   args.kvzip_head_floor)
+                   args.kvzip_head_floor, args.kvzip_weight)
 
 
 def _older_names(part: dict) -> dict:
@@ -396,6 +398,8 @@ def main() -> None:
                          "0, as the recorded tables ran, unless given; the library's default is 0.25)")
     ap.add_argument("--kvzip-novelty", type=float, default=0.0,
                     help="share of each head's budget for its most novel keys (compress_context's novelty=)")
+    ap.add_argument("--kvzip-weight", choices=kp.policy.kvzip.WEIGHTS, default="none",
+                    help="kvzip's probabilities as they are, or KVzip+'s output weighting (compress_context's weight=)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
     ap.add_argument("--multi-budgets", type=float, nargs="+", default=[0.2],

@@ -31,6 +31,7 @@ struct Ws {
   Ws& gqa(GqaReduce r) { reduce = r; return *this; }
   Ws& qmax() { qreduce = kvprune::QueryReduce::kMax; return *this; }
   Ws& fold(int64_t m) { fold_length = m; return *this; }
+  Ws& weighted() { weights = true; return *this; }
   Ws& ragged(std::vector<int32_t> lens) { seq_lens = std::move(lens); return *this; }
   Ws& sm_counts(std::vector<int> s) { sms = std::move(s); return *this; }
   Ws& shuffle() { shuffled = true; return *this; }
@@ -50,6 +51,7 @@ struct Ws {
   GqaReduce reduce = GqaReduce::kMean;
   kvprune::QueryReduce qreduce = kvprune::QueryReduce::kSum;
   int64_t fold_length = 0;  // > 0: scores [B, Hkv, M] hold earlier scores, folded into
+  bool weights = false;     // query_weight [B, Hq, W] and key_weight [B, Hq, M or N] (qmax)
   std::vector<int32_t> seq_lens;
   std::vector<int> sms = {132};
   bool shuffled = false;
@@ -161,6 +163,14 @@ void window_scores_case(const Ws& s) {
   }
   if (s.block_size > 0) p.k = paged_copy(c, s, k, kt);
   const int64_t row = s.fold_length > 0 ? s.fold_length : s.N;
+  if (s.weights) {  // some weights <= 0: they count as 0
+    Buffer& qw = c.add("query_weight", Role::kIn, Elem::kF32, s.B * s.Hq * s.W);
+    Buffer& kw = c.add("key_weight", Role::kIn, Elem::kF32, s.B * s.Hq * row);
+    fill_uniform(qw, -0.5f, 3.f);
+    fill_uniform(kw, -0.5f, 3.f);
+    p.query_weight = qw.as<float>();
+    p.key_weight = kw.as<float>();
+  }
   Buffer& scores = c.add("scores", s.fold_length > 0 ? Role::kInOut : Role::kOut, Elem::kF32,
                          s.B * s.Hkv * row, within(score_tol(s.dtype), row));
   if (s.fold_length > 0) fill_uniform(scores, -0.2f, 0.5f);
@@ -252,6 +262,16 @@ void window_scores_cases() {
                         260, 200, 256)
                          .qmax().fold(100).gqa(GqaReduce::kSum).expect(split)
                          .expect("mma_kernel<__half, 256, window_scores_impl::Pass::kProbsMax"));
+  // KVzip+'s weights: folded into the lse (the weighting kernel, or the combine kernel), key
+  // weights at the store (tensor cores: one query head per CTA, then the split reduce).
+  window_scores_case(Ws("window_scores qmax weighted bf16 D=64 mma lse fold M=150 seq{200,0,90}", bf16, 3,
+                        6, 2, 200, 40, 64)
+                         .qmax().weighted().with_lse().fold(150).ragged({200, 0, 90}).shuffle()
+                         .expect("window_scores_lse_weight_kernel").expect(split)
+                         .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbsMax"));
+  window_scores_case(Ws("window_scores qmax weighted fp32 D=24 simt W=33 max", f32, 1, 4, 2, 300, 33, 24)
+                         .qmax().weighted().gqa(GqaReduce::kMax).expect(simt_f32)
+                         .expect("window_scores_lse_combine_kernel"));
   window_scores_case(Ws("window_scores qsum fold M=77 fp16 D=128 mma lse", f16, 1, 4, 1, 300, 20, 128)
                          .fold(77).with_lse().expect("mma_kernel<__half, 128, window_scores_impl::Pass::kProbs"));
 }
