@@ -126,9 +126,23 @@ def test_head_dims(dtype, head_dim, device, gen):
     assert_scores_close(got, expected, score_tol(device, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_one_query_head_per_kv_head(dtype, device, gen):
+    """G = 1 (Hq == Hkv): on tensor cores the CTA's only head is weighted and folded at the
+    store itself, no split reduce."""
+    q = randn_tokens(2, 2, 24, 64, dtype=dtype, device=device, gen=gen)
+    k = randn_tokens(2, 2, 130, 64, dtype=dtype, device=device, gen=gen)
+    out = (torch.rand(2, 2, 90, generator=gen) * 0.1).to(device)
+    qw, kw = weights(2, 2, 24, device, gen), weights(2, 2, 90, device, gen)
+    expected = ref.window_scores(q, k, qreduce="max", out=out, query_weight=qw, key_weight=kw)
+    kp.window_scores(q, k, qreduce="max", out=out, query_weight=qw, key_weight=kw)
+    assert_scores_close(out, expected, score_tol(device, dtype))
+
+
 @pytest.mark.parametrize("with_lse", [False, True], ids=["softmax", "lse"])
 def test_head_split(with_lse, device, gen):
-    """D 256, W 200: the tensor-core path splits the group over CTAs (split reduce)."""
+    """D 256, W 200, G 3: the tensor-core path splits the group over CTAs (as it does for
+    every G > 1 with key weights) and the split reduce combines them."""
     q = randn_tokens(1, 3, 200, 256, dtype=torch.bfloat16, device=device, gen=gen)
     k = randn_tokens(1, 1, 300, 256, dtype=torch.bfloat16, device=device, gen=gen)
     lse = lse_f64(q, k) if with_lse else None
@@ -174,6 +188,14 @@ BAD = [
      TE, r"key_weight.*float32"),
     ("kw-overlaps-out", lambda x: kp.window_scores(x.q, x.k, qreduce="max", out=x.out,
                                                    key_weight=x.base.view(B, HQ, M)), VE, r"\bout\b"),
+    ("qw-overlaps-out", lambda x: kp.window_scores(x.q, x.k, qreduce="max", out=x.out,
+                                                   query_weight=x.base[: B * HQ * W].view(B, HQ, W)),
+     VE, r"\bout\b"),
+    ("weights-on-reference-with-sum", lambda x: ref.window_scores(x.q, x.k, query_weight=x.qw), VE,
+     r"qreduce='max'"),
+    ("kw-length-n-on-reference-with-out", lambda x: ref.window_scores(x.q, x.k, qreduce="max", out=x.out,
+                                                                      key_weight=x.kw_n), VE,
+     r"key_weight.*shape"),
 ]
 
 

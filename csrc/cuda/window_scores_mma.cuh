@@ -4,7 +4,9 @@
 // group's query heads; one split unless the rows overflow shared memory). The CTA
 // stages its query rows in shared memory once; then every warp loads the K
 // fragments of its own kWarpKeys keys into registers and sweeps all query rows
-// with mma.sync m16n8k16 (fp32 accumulate). K is read from memory exactly once.
+// with mma.sync m16n8k16 (fp32 accumulate). K is read from memory once per split
+// (exactly once unless key weights, one query head per CTA, or shared memory split
+// the group).
 //
 // Rows: each query head's W queries are padded to 16 * ceil(W / 16) rows, so an
 // m16 tile never straddles two heads; padded rows see no key. Rows are ordered
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads, 2)
       float value = per_head ? own : window_scores_own_column<kKeyTiles>(head_sum, 0);
       const int key = warp_key0 + (g >> 1) * 8 + 2 * t + (g & 1);  // the lane's key column
       // Key weights: the plan gives each CTA one query head (head0), so they apply here.
-      if (kQueryMax && key < n && key < key_limit)
+      if (kQueryMax && g < 2 * kKeyTiles && key < n && key < key_limit)
         value = window_scores_weigh_key(a, value, q_head0, key);
       if (g < 2 * kKeyTiles && key < key_limit)
         window_scores_store(out(), key, value * a.out_scale, a.fold, kQueryMax);

@@ -81,8 +81,8 @@ def window_scores(
         query_weight, key_weight: optional fp32 contiguous [B, Hq, W] and [B, Hq, M] (M:
             out's last dim, else N), qreduce "max" only: query head h's score of key j is
             ``key_weight[b,h,j] * max_i(query_weight[b,h,i] * p[b,h,i,j])`` before the GQA
-            reduction (KVzip+'s output weighting; a missing weight is 1). A weight that is
-            not > 0 (NaN included) counts as 0.
+            reduction (KVzip+'s output weighting; a missing weight is 1). Weights must be
+            finite; one that is not > 0 (NaN included) counts as 0.
 
     Returns:
         fp32 [B, Hkv, N] (positions >= seq_lens[b] are 0), or ``out`` when given.

@@ -62,6 +62,11 @@ def window_scores(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
     m = length if out is None else out.shape[2]
+    if (query_weight is not None or key_weight is not None) and qreduce != "max":
+        raise ValueError("query_weight and key_weight weigh the maxima: they need qreduce='max'")
+    for name, weight, last in (("query_weight", query_weight, window), ("key_weight", key_weight, m)):
+        if weight is not None and tuple(weight.shape) != (batch, q_heads, last):
+            raise ValueError(f"{name} must have shape [{batch}, {q_heads}, {last}], got {tuple(weight.shape)}")
 
     def applied(weight, shape):  # float64 weights, 0 where not > 0
         if weight is None:

@@ -269,6 +269,9 @@ void window_scores_cases() {
                          .qmax().weighted().with_lse().fold(150).ragged({200, 0, 90}).shuffle()
                          .expect("window_scores_lse_weight_kernel").expect(split)
                          .expect("mma_kernel<__nv_bfloat16, 64, window_scores_impl::Pass::kProbsMax"));
+  window_scores_case(Ws("window_scores qmax weighted fp16 D=64 mma G=1 fold M=90", f16, 2, 2, 2, 130, 24, 64)
+                         .qmax().weighted().fold(90)
+                         .expect("mma_kernel<__half, 64, window_scores_impl::Pass::kProbsMax"));
   window_scores_case(Ws("window_scores qmax weighted fp32 D=24 simt W=33 max", f32, 1, 4, 2, 300, 33, 24)
                          .qmax().weighted().gqa(GqaReduce::kMax).expect(simt_f32)
                          .expect("window_scores_lse_combine_kernel"));

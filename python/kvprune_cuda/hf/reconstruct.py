@@ -137,7 +137,7 @@ def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torc
         raise ValueError(f"weight: kvzip's 'output' weighting needs the attention's o_proj; "
                          f"{type(module).__name__} has none")
     key_weight = value_output_norms(proj.weight, values)
-    query_weight = 1.0 / hs.float().norm(dim=-1)  # [B, r]
+    query_weight = 1.0 / hs.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # [B, r], finite
     return key_weight, query_weight[:, None].expand(-1, key_weight.shape[1], -1).contiguous()
 
 
