@@ -399,7 +399,8 @@ def main() -> None:
     ap.add_argument("--kvzip-novelty", type=float, default=0.0,
                     help="share of each head's budget for its most novel keys (compress_context's novelty=)")
     ap.add_argument("--kvzip-weight", choices=kp.policy.kvzip.WEIGHTS, default="none",
-                    help="kvzip's probabilities as they are, or KVzip+'s output weighting (compress_context's weight=)")
+                    help="kvzip's probabilities as they are, or KVzip+'s output weighting (compress_context's weight=; "
+                         "none, as the recorded tables ran, unless given; the library's default is output)")
     ap.add_argument("--time-trials", type=int, default=3, help="trials that also time each method")
     ap.add_argument("--multi-trials", type=int, default=5, help="three-question contexts")
     ap.add_argument("--multi-budgets", type=float, nargs="+", default=[0.2],

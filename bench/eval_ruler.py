@@ -15,11 +15,12 @@ as ``ruler_tasks.prompt_ids`` does):
   ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
   attends to the compressed cache (and is not in the window) instead of the whole prompt; one
   prefill instead of one per config.
-* query-agnostic (kvzip-head / kvzip-global / kvzip-layer: kvzip with no per-head floor, as
-  their records hold; kvzip-head-default: the library's kvzip; snapkv-agnostic, h2o-agnostic): the
+* query-agnostic (kvzip-head / kvzip-global / kvzip-layer: kvzip with no per-head floor and
+  plain maxima, ``weight="none"``, as their records hold; kvzip-head-default: the library's
+  kvzip; snapkv-agnostic, h2o-agnostic): the
   context compressed before the question is known: one ``kp.hf.score_context(model,
   context_ids, ["kvzip", "snapkv", "h2o"])`` per sample (kvzip's reconstruction forwards
-  included), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
+  included; one per kvzip weight when the settings' differ), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
   ``.generate(question_ids, ...)``: what ``kp.hf.compress_context`` does for one policy. The
   budget is a fraction of the context's tokens.
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected: ``SnapKVPress``,
@@ -102,15 +103,15 @@ EAGER_PRESSES = ("ObservedAttentionPress",)  # presses that read the attention w
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
 # (snapkv-aware and snapkv-agnostic: the library's default until pool_shift, as their records
 # hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does;
-# kvzip-head / -global / -layer: no per-head floor, as their records hold; kvzip-head-default:
-# what kp.hf.compress_context does)
+# kvzip-head / -global / -layer: no per-head floor and plain maxima, as their records hold;
+# kvzip-head-default: what kp.hf.compress_context does)
 OPTIONS = {"snapkv-aware": {"kernel_size": 7, "pool_shift": 0},
            "snapkv-aware-k15": {"kernel_size": 15, "pool_shift": 0},
            "snapkv-aware-k31": {"kernel_size": 31, "pool_shift": 0},
            "snapkv-agnostic": {"kernel_size": 7, "pool_shift": 0},
-           "kvzip-head": {"head_floor": 0.0},
-           "kvzip-global": {"head_floor": 0.0},
-           "kvzip-layer": {"head_floor": 0.0}}
+           "kvzip-head": {"head_floor": 0.0, "weight": "none"},
+           "kvzip-global": {"head_floor": 0.0, "weight": "none"},
+           "kvzip-layer": {"head_floor": 0.0, "weight": "none"}}
 HEADLINE_BUDGET = 0.16
 HEADLINE_KEEP = 0.991
 BOOTSTRAP_REPS = 1000
@@ -229,13 +230,24 @@ def _ranked(names) -> set:
     return {n for n in names if kp.policy.make(n).ranks}
 
 
-def _scored(model, tok, ids, names, args):
+def _recorded_with(setting: str, args) -> tuple:
+    """((option, value), ...): what the evidence of ``setting`` is recorded with (its policy's
+    ``recorded_with``, e.g. kvzip's weight): settings of one policy that differ here need
+    scorings of their own ("context", "context 2", ... in the shared seconds)."""
+    p = _setting_policy(setting, args)
+    return tuple((f, getattr(p, f)) for f in p.recorded_with)
+
+
+def _scored(model, tok, ids, names, args, recorded_with: Optional[dict] = None):
     """``kp.hf.score_context`` of ``ids`` recording every ranking policy in ``names`` ("full"
-    when none ranks); (ScoredContext, {prefill, score} seconds)."""
+    when none ranks), each with the options ``recorded_with`` gives its name
+    (:func:`_recorded_with`); (ScoredContext, {prefill, score} seconds)."""
     ranks = _ranked(names)
     ranked = [n for n in dict.fromkeys(names) if n in ranks] or ["full"]
     window = None if "kvzip" in ranked else args.window  # the options override every policy's
-    sc = kp.hf.score_context(model, ids, _policies(ranked, args), tokenizer=tok,
+    recorders = [kp.policy.make(p, **dict((recorded_with or {}).get(n, ())))
+                 for n, p in zip(ranked, _policies(ranked, args), strict=True)]
+    sc = kp.hf.score_context(model, ids, recorders, tokenizer=tok,
                              n_sink=args.n_sink, window=window, kernel_size=args.kernel_size)
     return sc, {"tokens": ids.shape[1], "prefill": sc.prefill_seconds, "score": sc.score_seconds}
 
@@ -277,11 +289,21 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     aware = [(s, f) for s, f in cfgs if SETTINGS[s][0] in ("full", "aware")]
     agnostic = [(s, f) for s, f in cfgs if SETTINGS[s][0] == "agnostic"]
     aware_names = list(dict.fromkeys(SETTINGS[s][1] for s, _ in aware if s != "full"))
-    context_names = [SETTINGS[s][1] for s, _ in agnostic]
-    sc = None
-    if agnostic:
-        sc, shared["context"] = _scored(model, tok, ctx, context_names, args)
-        for s, f in agnostic:
+    groups: list = []  # ({policy name: recorded with}, configs): one scoring each
+    for s, f in agnostic:
+        name, recorded_with = SETTINGS[s][1], _recorded_with(s, args)
+        group = next((g for g in groups if g[0].get(name, recorded_with) == recorded_with), None)
+        if group is None:
+            groups.append(group := ({}, []))
+        group[0][name] = recorded_with
+        group[1].append((s, f))
+    sc, context_names = None, []
+    for i, (recorded_with, group) in enumerate(groups):
+        del sc
+        context_names = [SETTINGS[s][1] for s, _ in group]
+        sc, shared["context" if i == 0 else f"context {i + 1}"] = _scored(
+            model, tok, ctx, context_names, args, recorded_with)
+        for s, f in group:
             out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, _setting_policy(s, args), f,
                                                   SETTINGS[s][2], max_new,
                                                   "after the context")

@@ -34,6 +34,10 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
 * ``pq-layer``: the votes of a generic question asked after the context (PROBE_QUESTION,
   then dropped), pooled as the query-aware default.
 
+The ``kz*`` settings but ``kzplus`` rank kvzip's plain maxima (``weight="none"``), with no
+floor unless they name one, as their records hold; ``kzplus-head-h25`` ranks as the library's
+default kvzip (KVzip+ with the floor; ``eval_ruler.py``'s ``kvzip-head-default``).
+
     .venv/bin/python bench/ruler_variants.py --tokens 4096 --samples 2 --budgets 0.16 --dtype float32 \\
         --window 64 --settings sv-fwd-24-6 ... --out bench/results/ruler_4k/variants.json
     .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k/ours*.json bench/results/ruler_4k/variants*.json
@@ -358,7 +362,8 @@ for _name, _kernel in (("kd-layer", 1), ("kd-layer-p7", 7)):
     er.OPTIONS[_name] = {"kernel_size": _kernel, "window": 0}
 for _name, (_scope, _options) in KVZIP_VARIANTS.items():
     er.SETTINGS[_name] = ("agnostic", "kvzip", _scope)
-    er.OPTIONS[_name] = {"head_floor": 0.0, **_options}  # no floor unless the variant sets one
+    # no floor and plain maxima (as their records hold) unless the variant sets them
+    er.OPTIONS[_name] = {"head_floor": 0.0, "weight": "none", **_options}
 _kvzip_setting_policy = er._setting_policy
 
 
@@ -383,12 +388,12 @@ er._setting_policy = _setting_policy
 _plain_scored = er._scored
 
 
-def _scored(model, tok, ids, names, args):
+def _scored(model, tok, ids, names, args, recorded_with=None):
     """eval_ruler's scoring, plus the probe question's queries for the pq* settings when the
     scoring is the context's (kvzip recorded)."""
     _PLUS.clear()
     _PLUS_ON[0] = "kvzip" in names and any(s.startswith("kzplus") for s in args.settings)
-    sc, info = _plain_scored(model, tok, ids, names, args)
+    sc, info = _plain_scored(model, tok, ids, names, args, recorded_with)
     if "kvzip" in names and any(s.startswith("pq") for s in args.settings):
         record_probe(sc, tok)
     return sc, info

@@ -285,6 +285,35 @@ def test_quick_query_aware_answers_equal_with_or_without_the_context_run(quick_r
             assert alone[name]["kv_bytes"] - both[name]["kv_bytes"] in (0, 8), name
 
 
+def test_quick_kvzip_settings_record_with_their_own_weight(quick_run, monkeypatch):
+    """kvzip-head (plain maxima, as its records hold) and kvzip-head-default (the library's
+    KVzip+) need reconstructions of their own: the run scores the context once per weight, and
+    each config answers as a run of it alone does, recorded with its own weight."""
+    model, samples, args, data = quick_run
+    rec, s = data["records"][0], samples[0]
+    assert {"context", "context 2"} <= set(rec["shared_seconds"])
+    ctx, qst = rt.prompt_ids(TOK, s)
+    recorded, real = [], er._scored
+
+    def scored(model, tok, ids, names, args, recorded_with=None):
+        recorded.append(dict((recorded_with or {}).get("kvzip", ())).get("weight"))
+        return real(model, tok, ids, names, args, recorded_with)
+
+    monkeypatch.setattr(er, "_scored", scored)
+    n0 = torch.get_num_threads()
+    try:
+        for setting, weight in (("kvzip-head", "none"), ("kvzip-head-default", "output")):
+            recorded.clear()
+            alone, shared = er.run_sample(model, TOK, ctx, qst, s.refs, [(setting, 0.5)], args,
+                                          args.max_new_tokens or rt.MAX_NEW_TOKENS.get(s.task, 128))
+            assert recorded == [weight] and set(shared) == {"context"}, setting
+            name = er.config_name(setting, 0.5)
+            for field in ("answer", "tokens_per_layer", "kv_bytes"):
+                assert alone[name][field] == rec["results"][name][field], (name, field)
+    finally:
+        torch.set_num_threads(n0)
+
+
 def _fake(scores: dict) -> dict:
     """Result data with the given {task: {config: [scores]}}."""
     recs = []

@@ -41,9 +41,10 @@ def test_kvzip_weight_is_checked_and_needs_its_weights():
     with pytest.raises(TypeError, match="weight"):
         kp.policy.KVzip(weight=True)
     q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 6, 4)
+    assert kp.policy.KVzip().weight == "output"  # KVzip+ by default
     with pytest.raises(ValueError, match="weights"):
-        kp.policy.KVzip(weight="output").score(q, k)
+        kp.policy.KVzip().score(q, k)
     with pytest.raises(ValueError, match="weights"):
-        kp.policy.KVzip().score(q, k, weights=(torch.ones(1, 2, 6), torch.ones(1, 2, 3)))
-    got = kp.policy.KVzip(weight="output").score(q, k, weights=(torch.full((1, 2, 6), 2.0), torch.ones(1, 2, 3)))
-    assert torch.allclose(got, 2 * kp.policy.KVzip().score(q, k), atol=1e-6)
+        kp.policy.KVzip(weight="none").score(q, k, weights=(torch.ones(1, 2, 6), torch.ones(1, 2, 3)))
+    got = kp.policy.KVzip().score(q, k, weights=(torch.full((1, 2, 6), 2.0), torch.ones(1, 2, 3)))
+    assert torch.allclose(got, 2 * kp.policy.KVzip(weight="none").score(q, k), atol=1e-6)

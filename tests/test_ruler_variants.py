@@ -36,9 +36,16 @@ for name, field, share, cls in [("kzkd-head-h50", "novelty", 0.5, "KVzip"),
 for name, floor in [("kzplus-head", 0.0), ("kzplus-head-h25", 0.25)]:
     p = rv._setting_policy(name, args)
     assert (type(p).__name__, p.head_floor, p.window, p.weight) == ("KVzipPlus", floor, 0, "none"), (name, p)
+# kvzip-head and the kz* screens rank plain maxima, as their records hold; the library's default
+# is KVzip+ with the floor, what kzplus-head-h25 ranks
+for name in ("kvzip-head", "kzfl-head-h25", "kzkd-head-h50", "kz-head-p7"):
+    assert rv._setting_policy(name, args).weight == "none", name
 assert (rv._setting_policy("kvzip-head", args).novelty,
         rv._setting_policy("kvzip-head", args).head_floor) == (0.0, 0.0)
-assert rv._setting_policy("kvzip-head-default", args) == rv._setting_policy("kzfl-head-h25", args)
+default = rv._setting_policy("kvzip-head-default", args)
+assert default == er.kp.policy.make(rv._setting_policy("kzfl-head-h25", args), weight="output")
+assert default.weight == "output" and er._recorded_with("kzplus-head-h25", args) == \
+    er._recorded_with("kzfl-head-h25", args) != er._recorded_with("kvzip-head-default", args)
 print("ok")
 """
 

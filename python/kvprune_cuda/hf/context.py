@@ -152,6 +152,17 @@ class CompressedContext:
         return out
 
 
+def _check_recorded_with(policy: "policies.Policy", scored: Sequence["policies.Policy"]) -> None:
+    """``policy`` ranks the evidence the scored policy of its kind recorded, so the options that
+    shaped that evidence (:attr:`~kvprune_cuda.policy.Policy.recorded_with`) must be its own."""
+    recorder = next((p for p in scored if p.evidence == policy.evidence), None)
+    for f in policy.recorded_with if recorder is not None else ():
+        if getattr(recorder, f, None) != getattr(policy, f):
+            raise ValueError(f"policy: {f}={getattr(policy, f)!r}, but the context's "
+                             f"{recorder.name} evidence was recorded with "
+                             f"{f}={getattr(recorder, f, None)!r}; score the context with this policy")
+
+
 class ScoredContext:
     """A prefilled, uncompressed context with the evidence of one or more policies recorded,
     to compress as often as wanted (:meth:`compress`); made by :func:`score_context` and
@@ -179,6 +190,7 @@ class ScoredContext:
         if policy is None:
             return self.policies[0]
         if isinstance(policy, policies.Policy):
+            _check_recorded_with(policy, self.policies)
             return policy
         named = [p for p in self.policies if p.name == policy]
         if named:

@@ -76,6 +76,7 @@ class Policy:
     evidence: ClassVar[str] = "none"        # one of EVIDENCE
     fixed_capacity: ClassVar[bool] = False  # kp.hf: decoding evicts, holding `budget` slots
     default_scope: ClassVar[str] = "layer"   # kp.hf.compress_context's measured default
+    recorded_with: ClassVar[tuple] = ()      # the fields that shape the evidence recorded
 
     budget: Union[int, float] = 0.2
     n_sink: int = 4

@@ -36,11 +36,15 @@ class KVzip(Policy):
     and layer, it changes nothing). ``novelty``: the share that goes first to the head's most novel
     keys (KeyDiff: the keys least like the head's mean key,
     :func:`~kvprune_cuda.policy.novelty.key_novelty`). The rest of the budget goes by the
-    maxima. Only kp.hf.compress_context runs it."""
+    maxima. ``weight``: "output" (KVzip+, the default) multiplies each probability by the
+    key's value output norm over the query's hidden-state norm before the maxima
+    (:func:`~kvprune_cuda.policy.output_weight.value_output_norms`); "none" takes the plain
+    probabilities, KVzip's own. Only kp.hf.compress_context runs it."""
 
     name: ClassVar[str] = "kvzip"
     evidence: ClassVar[str] = "reconstruction"
     default_scope: ClassVar[str] = "head"  # 20/20 passkey at 10 % (bench/RESULTS.md)
+    recorded_with: ClassVar[tuple] = ("gqa", "softmax", "chunk_size", "weight")
     window: int = 0
     gqa: str = "max"
     softmax: str = "chunk"
@@ -50,7 +54,7 @@ class KVzip(Policy):
     pool_shift: int = 0
     head_floor: float = 0.25  # bench/notes/2026-12-05-ruler-defaults.md, "A per-head floor"
     novelty: float = 0.0
-    weight: str = "none"
+    weight: str = "output"  # bench/notes/2026-12-05-ruler-defaults.md, "KVzip+ in the kernels"
 
     def __post_init__(self) -> None:
         super().__post_init__()
