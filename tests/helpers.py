@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import pytest
 import torch
 
 import kvprune_cuda as kp
@@ -225,3 +226,11 @@ def assert_gathered(k, v, idx, out_k, out_v) -> None:
         assert out.shape == (*idx.shape, src.shape[3]), f"{name}: shape {tuple(out.shape)}"
         expected = expected_gather(src, idx.to(src.device))
         assert torch.equal(out, expected), f"gathered {name} differs from the indexed rows"
+
+
+def assert_rejected_untouched(call, x, exc, pattern) -> None:
+    """``call(x)`` raises ``exc`` matching ``pattern`` and leaves ``x.out`` as it was."""
+    before = x.out.clone()
+    with pytest.raises(exc, match=pattern):
+        call(x)
+    assert torch.equal(x.out, before), "a rejected call modified out"

@@ -14,8 +14,8 @@ import kvprune_cuda as kp
 from kvprune_cuda import reference as ref
 
 from helpers import (
-    DTYPES, GQA_MODES, HAS_CUDA, assert_scores_close, dtype_id, lse_f64, poison_beyond,
-    randn_tokens, score_tol, seq_lens_tensor,
+    DTYPES, GQA_MODES, HAS_CUDA, assert_rejected_untouched, assert_scores_close, dtype_id, lse_f64,
+    poison_beyond, randn_tokens, score_tol, seq_lens_tensor,
 )
 
 QREDUCE = ("max", "sum")
@@ -169,10 +169,7 @@ def x(device, gen):
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
 def test_bad_input(case, x):
     _, call, exc, pattern = case
-    before = x.out.clone()
-    with pytest.raises(exc, match=pattern):
-        call(x)
-    assert torch.equal(x.out, before), "a rejected call modified out"
+    assert_rejected_untouched(call, x, exc, pattern)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
