@@ -48,3 +48,13 @@ def test_kvzip_weight_is_checked_and_needs_its_weights():
         kp.policy.KVzip(weight="none").score(q, k, weights=(torch.ones(1, 2, 6), torch.ones(1, 2, 3)))
     got = kp.policy.KVzip().score(q, k, weights=(torch.full((1, 2, 6), 2.0), torch.ones(1, 2, 3)))
     assert torch.allclose(got, 2 * kp.policy.KVzip(weight="none").score(q, k), atol=1e-6)
+
+
+def test_output_weights_need_the_attentions_o_proj():
+    """A model whose attention has no o_proj cannot run KVzip+: a ValueError naming weight and
+    the way out (weight="none"), not an AttributeError deep in the reconstruction."""
+    pytest.importorskip("transformers")
+    from kvprune_cuda.hf.reconstruct import output_weights
+
+    with pytest.raises(ValueError, match="weight.*o_proj.*weight='none'"):
+        output_weights(torch.nn.Module(), torch.randn(1, 3, 8), torch.randn(1, 1, 5, 4))

@@ -134,8 +134,9 @@ def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torc
     (the same for every head)."""
     proj = getattr(module, "o_proj", None)
     if proj is None or getattr(proj, "weight", None) is None:
-        raise ValueError(f"weight: kvzip's 'output' weighting needs the attention's o_proj; "
-                         f"{type(module).__name__} has none")
+        raise ValueError(f"weight: kvzip's 'output' weighting (the default) needs the attention's "
+                         f"o_proj; {type(module).__name__} has none (weight='none' scores "
+                         f"without it)")
     key_weight = value_output_norms(proj.weight, values)
     query_weight = 1.0 / hs.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # [B, r], finite
     return key_weight, query_weight[:, None].expand(-1, key_weight.shape[1], -1).contiguous()
