@@ -17,10 +17,10 @@ as ``ruler_tasks.prompt_ids`` does):
   prefill instead of one per config.
 * query-agnostic (kvzip-head / kvzip-global / kvzip-layer: kvzip with no per-head floor and
   plain maxima, ``weight="none"``, as their records hold; kvzip-head-default: the library's
-  kvzip; snapkv-agnostic, h2o-agnostic): the
-  context compressed before the question is known: one ``kp.hf.score_context(model,
-  context_ids, ["kvzip", "snapkv", "h2o"])`` per sample (kvzip's reconstruction forwards
-  included; one per kvzip weight when the settings' differ), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
+  kvzip; snapkv-agnostic, h2o-agnostic): the context compressed before the question is
+  known: one ``kp.hf.score_context(model, context_ids, ["kvzip", "snapkv", "h2o"])`` per
+  sample (kvzip's reconstruction forwards included; one per kvzip weight when the settings'
+  differ), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
   ``.generate(question_ids, ...)``: what ``kp.hf.compress_context`` does for one policy. The
   budget is a fraction of the context's tokens.
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected: ``SnapKVPress``,
@@ -277,10 +277,12 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     question's end and the answer prefix; h2o's sums are over all of them), compressed per
     config (``ScoredContext.compress``); the prompt's last token then starts the answer
     (``CompressedContext.generate``). The query-agnostic settings share the context's
-    prefill (and kvzip's reconstruction of it); the question follows the compressed context.
-    When both groups run and the query-aware policies are scored for the context too, the
-    prompt's scoring extends the context's (``ScoredContext.extend`` of the question but its
-    last token) instead of prefilling the context again. kvpress runs as its own pipeline
+    prefill (and kvzip's reconstruction of it), one per set of recording options
+    (:func:`_recorded_with`: kvzip-head's plain maxima beside kvzip-head-default's KVzip+ take
+    two); the question follows the compressed context. When both groups run and the
+    query-aware policies are scored for the context too (in the context scoring run last),
+    the prompt's scoring extends the context's (``ScoredContext.extend`` of the question but
+    its last token) instead of prefilling the context again. kvpress runs as its own pipeline
     does, one prefill per config.
     """
     out: dict = {}
@@ -297,12 +299,13 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
             groups.append(group := ({}, []))
         group[0][name] = recorded_with
         group[1].append((s, f))
-    sc, context_names = None, []
+    groups.sort(key=lambda g: _ranked(aware_names) <= _ranked(g[0]))  # the one to extend: last
+    sc, context_names, label = None, [], None
     for i, (recorded_with, group) in enumerate(groups):
         del sc
-        context_names = [SETTINGS[s][1] for s, _ in group]
-        sc, shared["context" if i == 0 else f"context {i + 1}"] = _scored(
-            model, tok, ctx, context_names, args, recorded_with)
+        context_names, label = list(recorded_with), "context" if i == 0 else f"context {i + 1}"
+        sc, shared[label] = _scored(model, tok, ctx, [SETTINGS[s][1] for s, _ in group], args,
+                                    recorded_with)
         for s, f in group:
             out[config_name(s, f)] = _from_scored(sc, tok, qst, refs, _setting_policy(s, args), f,
                                                   SETTINGS[s][2], max_new,
@@ -311,7 +314,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
         if sc is not None and qst.shape[1] > 1 and _ranked(aware_names) <= _ranked(context_names):
             sc = sc.extend(qst[:, :-1])
             shared["prompt"] = {"tokens": prompt.shape[1] - 1, "prefill": sc.prefill_seconds,
-                                "score": 0.0, "extends": "context"}
+                                "score": 0.0, "extends": label}
         else:
             del sc
             sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1], aware_names, args)

@@ -97,9 +97,12 @@ def variants(args) -> dict:
         "snapkv-aware last k31": ("last", make("snapkv", kernel_size=31), None),
         "snapkv-aware last k31 head": ("last", make("snapkv", kernel_size=31), "head"),
         "h2o-aware": ("aware", make("h2o"), None),
-        # (no per-head floor: the selection the recorded probes measured, as eval_ruler's names)
-        "kvzip-layer": ("context", make("kvzip", chunk_size=args.chunk_size, head_floor=0.0), "layer"),
-        "kvzip-head": ("context", make("kvzip", chunk_size=args.chunk_size, head_floor=0.0), "head"),
+        # (no per-head floor, plain maxima: the selection the recorded probes measured, as
+        # eval_ruler's names)
+        "kvzip-layer": ("context", make("kvzip", chunk_size=args.chunk_size, head_floor=0.0,
+                                        weight="none"), "layer"),
+        "kvzip-head": ("context", make("kvzip", chunk_size=args.chunk_size, head_floor=0.0,
+                                       weight="none"), "head"),
         "snapkv-agnostic": ("context", make("snapkv"), "layer"),
         "snapkv-agnostic head": ("context", make("snapkv"), "head"),
     }

@@ -390,11 +390,12 @@ _plain_scored = er._scored
 
 def _scored(model, tok, ids, names, args, recorded_with=None):
     """eval_ruler's scoring, plus the probe question's queries for the pq* settings when the
-    scoring is the context's (kvzip recorded)."""
+    scoring is the context's with kvzip's plain maxima recorded (the screens' kvzip)."""
+    screens = "kvzip" in names and dict((recorded_with or {}).get("kvzip", ())).get("weight") == "none"
     _PLUS.clear()
-    _PLUS_ON[0] = "kvzip" in names and any(s.startswith("kzplus") for s in args.settings)
+    _PLUS_ON[0] = screens and any(s.startswith("kzplus") for s in args.settings)
     sc, info = _plain_scored(model, tok, ids, names, args, recorded_with)
-    if "kvzip" in names and any(s.startswith("pq") for s in args.settings):
+    if screens and any(s.startswith("pq") for s in args.settings):
         record_probe(sc, tok)
     return sc, info
 

@@ -23,6 +23,7 @@ class H2O(Policy):
     name: ClassVar[str] = "h2o"
     evidence: ClassVar[str] = "attention"
     fixed_capacity: ClassVar[bool] = True
+    recorded_with: ClassVar[tuple] = ("gqa",)  # the sums are recorded reduced over the group
     gqa: str = "mean"
 
     def __post_init__(self) -> None:

@@ -44,7 +44,7 @@ class KVzip(Policy):
     name: ClassVar[str] = "kvzip"
     evidence: ClassVar[str] = "reconstruction"
     default_scope: ClassVar[str] = "head"  # 20/20 passkey at 10 % (bench/RESULTS.md)
-    recorded_with: ClassVar[tuple] = ("gqa", "softmax", "chunk_size", "weight")
+    recorded_with: ClassVar[tuple] = ("gqa", "softmax", "chunk_size", "weight", "n_sink")
     window: int = 0
     gqa: str = "max"
     softmax: str = "chunk"
