@@ -321,9 +321,9 @@ def test_global_budgets_rank_the_named_policys_scores(model, gen, scope):
 
 def test_compress_refuses_a_policy_recorded_otherwise(model, gen):
     """ScoredContext.compress(policy=instance) ranks the evidence score_context recorded: an
-    instance whose recording options (kvzip's weight, softmax, gqa, chunk_size) differ from
-    the recorder's is a ValueError naming the option, not a ranking of the other evidence;
-    ranking options (head_floor) may differ."""
+    instance whose recording options (kvzip's weight, softmax, gqa, chunk_size, n_sink; h2o's
+    gqa) differ from the recorder's is a ValueError naming the option, not a ranking of the
+    other evidence; ranking options (head_floor, window) may differ."""
     ctx = _ids(gen, 1, N)
     scored = kp.hf.score_context(model, ctx, ("kvzip", "h2o"), n_sink=SINKS, chunk_size=CHUNK,
                                  repeat_prompt=PROMPT)
@@ -336,6 +336,10 @@ def test_compress_refuses_a_policy_recorded_otherwise(model, gen):
     kvc = scored.compress(BUDGET, policy=kp.policy.make(kvzip, head_floor=0.5))
     assert kvc.policy.head_floor == 0.5 and kvc.policy.weight == "output"
     assert scored.compress(BUDGET, policy=kp.policy.make(h2o, window=4)).policy.window == 4
+    # nor can one scoring record two kvzip evidences
+    with pytest.raises(ValueError, match="weight='none'"):
+        kp.hf.score_context(model, ctx, (kvzip, kp.policy.make(kvzip, weight="none")),
+                            repeat_prompt=PROMPT)
 
 
 @pytest.mark.parametrize("q", [5, 13])  # the window spans the context's end / lies in ids

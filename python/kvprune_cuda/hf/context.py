@@ -153,14 +153,16 @@ class CompressedContext:
 
 
 def _check_recorded_with(policy: "policies.Policy", scored: Sequence["policies.Policy"]) -> None:
-    """``policy`` ranks the evidence the scored policy of its kind recorded, so the options that
-    shaped that evidence (:attr:`~kvprune_cuda.policy.Policy.recorded_with`) must be its own."""
+    """``policy`` ranks the evidence the first scored policy of its kind records (one per kind
+    and context), so the options that shape that evidence
+    (:attr:`~kvprune_cuda.policy.Policy.recorded_with`) must be its own."""
     recorder = next((p for p in scored if p.evidence == policy.evidence), None)
     for f in policy.recorded_with if recorder is not None else ():
         if getattr(recorder, f, None) != getattr(policy, f):
             raise ValueError(f"policy: {f}={getattr(policy, f)!r}, but the context's "
-                             f"{recorder.name} evidence was recorded with "
-                             f"{f}={getattr(recorder, f, None)!r}; score the context with this policy")
+                             f"{recorder.name} evidence is recorded with "
+                             f"{f}={getattr(recorder, f, None)!r} (one per context); score "
+                             f"another context for this policy")
 
 
 class ScoredContext:
@@ -288,6 +290,8 @@ def score_context(model, context_ids: torch.Tensor,
                                softmax=softmax, head_floor=head_floor, novelty=novelty,
                                weight=weight)
     scored = [policies.make(p, options) for p in named]
+    for i, p in enumerate(scored):
+        _check_recorded_with(p, scored[:i])
     kvzip = next((p for p in scored if isinstance(p, policies.KVzip)), None)
     prompt = None
     if kvzip is not None:
