@@ -398,7 +398,7 @@ def test_compact_later_slabs_wait_for_a_slow_one(drop_every, gen):
     keep = [t for t in range(n) if t % drop_every != drop_every - 1]
     idx = torch.full((1, heads, len(keep)), -1, dtype=torch.int32)
     idx[0, 0] = int32(keep)
-    with kp.testing.emulate_cuda(host_threads=2, slow_worker_us=2000):
+    with kp.testing.emulate_cuda(host_threads=2, slow_worker=True):
         compact_check(pool, table, lens, idx, "cpu")
 
 

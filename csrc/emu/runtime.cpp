@@ -141,14 +141,18 @@ struct Launch {
   std::mutex error_mutex;
   std::string error;  // the first failure
 
-  // Workers (host threads) still taking blocks, and the flags their blocks wait on.
+  // Workers (host threads) still taking blocks (all of them from the start), and the flags
+  // their blocks wait on.
   std::mutex workers_mutex;
   int running_workers = 0;
   std::vector<const uint32_t*> awaited;  // one entry per waiting worker
+  // With a slow worker (Options::slow_worker): set once it first stalls, waits on a flag or
+  // runs out of blocks; the other workers take no block before, so the slow one runs first.
+  std::atomic<bool> slow_started{false};
 
-  void set_running(int delta) {
+  void finish_worker() {
     const std::lock_guard<std::mutex> lock(workers_mutex);
-    running_workers += delta;
+    --running_workers;
   }
   void start_waiting(const uint32_t* flag) {
     const std::lock_guard<std::mutex> lock(workers_mutex);
@@ -160,12 +164,13 @@ struct Launch {
   }
   // Every running worker waits, and on a flag nobody set: nothing can set one any more (a
   // worker sets flags only while it runs a block that does not wait).
-  bool deadlocked() {
+  bool deadlocked() { return blocked_on_unset_flags(0); }
+  // Every running worker but `others_than` of them waits on a flag nobody set.
+  bool blocked_on_unset_flags(int others_than) {
     const std::lock_guard<std::mutex> lock(workers_mutex);
-    if (static_cast<int>(awaited.size()) < running_workers) return false;
-    for (const uint32_t* f : awaited)
-      if (__atomic_load_n(f, __ATOMIC_ACQUIRE) != 0) return false;
-    return true;
+    int blocked = 0;
+    for (const uint32_t* f : awaited) blocked += __atomic_load_n(f, __ATOMIC_ACQUIRE) == 0;
+    return blocked + others_than >= running_workers;
   }
 };
 
@@ -342,6 +347,7 @@ class BlockRun {
   // (a deadlock on a GPU too).
   void wait_for_flag(const uint32_t* flag, const char* file, int line) {
     const auto start = std::chrono::steady_clock::now();
+    if (slow_) launch_.slow_started.store(true, std::memory_order_release);
     launch_.start_waiting(flag);
     for (;;) {
       if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
@@ -361,9 +367,12 @@ class BlockRun {
     launch_.stop_waiting(flag);
   }
 
-  // A slow SM (Options::slow_worker_us): blocks of the other workers run ahead meanwhile.
-  void stall() const {
-    std::this_thread::sleep_for(std::chrono::microseconds(launch_.options.slow_worker_us));
+  // A slow SM (Options::slow_worker): it waits until the other workers can go no further
+  // (each waits on an unset flag or has no block left), so their blocks overtake this one's.
+  void stall() {
+    launch_.slow_started.store(true, std::memory_order_release);
+    while (!launch_.failed.load(std::memory_order_relaxed) && !launch_.blocked_on_unset_flags(1))
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 
   [[noreturn]] void fail(std::string what) {
@@ -558,12 +567,13 @@ class BlockRun {
   std::string failure_;
 };
 
-// slow: this worker stands for a slow SM (Options::slow_worker_us).
+// slow: this worker stands for a slow SM (Options::slow_worker).
 void run_blocks(Launch& launch, bool slow) {
   auto pool = acquire_pool();
   {
     BlockRun run(launch, *pool, slow);
-    launch.set_running(+1);
+    if (launch.options.slow_worker && !slow)
+      while (!launch.slow_started.load(std::memory_order_acquire)) std::this_thread::yield();
     const uint64_t blocks = static_cast<uint64_t>(launch.grid.x) * launch.grid.y * launch.grid.z;
     std::string error;
     for (;;) {
@@ -576,7 +586,8 @@ void run_blocks(Launch& launch, bool slow) {
         break;
       }
     }
-    launch.set_running(-1);
+    if (slow) launch.slow_started.store(true, std::memory_order_release);
+    launch.finish_worker();
   }
   release_pool(std::move(pool));
 }
@@ -668,9 +679,10 @@ int launch(const KernelRef& kernel, dim3 grid, dim3 block, size_t dynamic_smem,
                     ? state.options.host_threads
                     : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
   workers = static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(workers), blocks));
+  state.running_workers = workers;  // a helper not started yet may still set flags
   std::vector<std::thread> helpers;
   for (int w = 1; w < workers; ++w) helpers.emplace_back([&state] { run_blocks(state, false); });
-  run_blocks(state, state.options.slow_worker_us > 0);
+  run_blocks(state, state.options.slow_worker);
   for (auto& h : helpers) h.join();
   if (state.failed.load()) return report(cudaErrorLaunchFailure, state.error, true);
   return cudaSuccess;

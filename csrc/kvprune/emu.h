@@ -25,11 +25,13 @@ struct Options {
   uint64_t seed = 0;
   int sm_count = 132;    // what the launch heuristics see (an H100 SXM / H200 has 132)
   int host_threads = 0;  // host threads that run blocks in parallel; 0: one per CPU, at most 8
-  // > 0: the calling host thread (one of the host_threads) stands for a slow SM: it sleeps this
-  // long when the first thread of one of its blocks reaches a barrier and when the barrier
-  // opens, so the other host threads' blocks run ahead of its blocks (ordering bugs between
-  // blocks, e.g. a missing wait on a flag or a flag set too early, then show).
-  int slow_worker_us = 0;
+  // True: the calling host thread (one of the host_threads) stands for a slow SM. Its block
+  // runs first, and when the first thread of one of its blocks reaches a barrier and when the
+  // barrier opens, it waits until every other host thread waits on an unset flag or has no
+  // block left. The others' blocks thus overtake its blocks as far as they can, the same way
+  // on every run (ordering bugs between blocks, e.g. a missing wait on a flag or a flag set
+  // before the block's loads, then show).
+  bool slow_worker = false;
 };
 
 // True when this build contains the emulator (otherwise every entry point below

@@ -20,14 +20,14 @@ PYBIND11_MODULE(_C, m) {
      "architectures.");
   // Backs kvprune_cuda.testing.emulate_cuda(); schedule: 0 forward, 1 reverse, 2 shuffled.
   m.def("_set_cuda_emulation", [](bool enabled, int schedule, uint64_t seed, int sm_count,
-                                  int host_threads, int slow_worker_us) {
+                                  int host_threads, bool slow_worker) {
     if (schedule < 0 || schedule > 2) throw pybind11::value_error("schedule must be 0, 1 or 2");
     kvprune::emu::Options options;
     options.schedule = static_cast<kvprune::emu::Schedule>(schedule);
     options.seed = seed;
     options.sm_count = sm_count;
     options.host_threads = host_threads;
-    options.slow_worker_us = slow_worker_us;
+    options.slow_worker = slow_worker;
     kvprune::torch_ext::set_cuda_emulation(enabled, options);
   });
   m.def("_cuda_emulation_enabled", &kvprune::torch_ext::cuda_emulation_enabled);

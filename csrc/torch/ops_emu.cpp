@@ -46,8 +46,6 @@ void set_cuda_emulation(bool enabled, const emu::Options& options) {
   TORCH_CHECK_VALUE(options.sm_count >= 1, "sm_count must be >= 1, got ", options.sm_count);
   TORCH_CHECK_VALUE(options.host_threads >= 0, "host_threads must be >= 0, got ",
                     options.host_threads);
-  TORCH_CHECK_VALUE(options.slow_worker_us >= 0, "slow_worker_us must be >= 0, got ",
-                    options.slow_worker_us);
   emu::set_options(options);
   t_enabled = enabled;
 }

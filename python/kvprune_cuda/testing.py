@@ -46,7 +46,7 @@ def emulating_cuda() -> bool:
 @contextlib.contextmanager
 def emulate_cuda(
     schedules: Sequence[str] = ("forward",), *, seed: int = 0, sm_count: int = 132,
-    host_threads: int = 0, slow_worker_us: int = 0,
+    host_threads: int = 0, slow_worker: bool = False,
 ) -> Iterator[None]:
     """Run kvprune ops on CPU tensors through the CUDA kernels, emulated.
 
@@ -55,9 +55,11 @@ def emulate_cuda(
         each op runs under each and must give bitwise-equal results.
     sm_count: the SM count the launch heuristics see (an H100/H200 has 132).
     host_threads: host threads running blocks in parallel (0: one per CPU, at most 8).
-    slow_worker_us: > 0 makes the calling host thread a slow SM that sleeps this long when
-        the first thread of one of its blocks reaches a barrier and when the barrier opens, so
-        the other host threads' blocks overtake its blocks (ordering bugs between blocks show).
+    slow_worker: makes the calling host thread a slow SM. Its block runs first, and when the
+        first thread of one of its blocks reaches a barrier and when the barrier opens, it
+        waits until every other host thread waits on an unset flag or has no block left, so
+        the others' blocks overtake its blocks, the same way on every run (ordering bugs
+        between blocks show).
     """
     if not _C.build_info()["cuda_emulator"]:
         raise RuntimeError("this build of kvprune_cuda has no CUDA emulator "
@@ -73,7 +75,7 @@ def emulate_cuda(
         raise ValueError(f"seed must be >= 0, got {seed}")
 
     def use(code: int) -> None:
-        _C._set_cuda_emulation(True, code, seed, sm_count, host_threads, slow_worker_us)
+        _C._set_cuda_emulation(True, code, seed, sm_count, host_threads, slow_worker)
 
     if emulating_cuda():
         raise RuntimeError("emulate_cuda() is already active on this thread")

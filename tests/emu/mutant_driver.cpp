@@ -175,7 +175,7 @@ int compact_kv() {
   // the other thread's block of slab 1 of the same row may store only after slab 0's loads.
   kvprune::emu::Options options;
   options.host_threads = 2;
-  options.slow_worker_us = 20000;
+  options.slow_worker = true;
   const int status = run_schedules(k, [&] {
     k = k0;
     v = v0;
