@@ -1,8 +1,8 @@
 // The emulator's execution rules on small kernels of this file: what must run (divergent
 // sub-warp collectives, every schedule), what must fail (partial barriers, lanes outside
 // their mask, exited lanes a collective waits for, shared memory over the H100 limits),
-// poisoned static shared memory, and CUDA's error semantics (a bad launch configuration
-// is reported once, a kernel fault is sticky until last_error() is read).
+// poisoned static shared memory, the slow worker's order, and CUDA's error semantics (a bad
+// launch configuration is reported once, a kernel fault is sticky until last_error() is read).
 #define KVPRUNE_EMULATOR_BUILD 1
 #include "cuda/simt.cuh"
 
@@ -60,6 +60,24 @@ __global__ void big_static_shared(int* out) {
 
 __global__ void trivial(int* out) { out[threadIdx.x] = static_cast<int>(threadIdx.x); }
 
+// out[block]: the order in which blocks pass their barrier; out[gridDim.x]: the counter.
+__global__ void order_past_barrier(int* out) {
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = atomicAdd(out + gridDim.x, 1);
+}
+
+// Block 0 sets a flag after its barrier; every other block waits on it.
+__global__ void others_wait_for_block_0(int* out) {
+  uint32_t* flag = reinterpret_cast<uint32_t*>(out);
+  if (blockIdx.x == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) simt::set_flag(flag);
+  } else {
+    if (threadIdx.x == 0) simt::wait_flag(flag);
+    __syncthreads();
+  }
+}
+
 template <auto Kernel>
 std::string run(dim3 grid, dim3 block, size_t smem, int* out, Schedule schedule = Schedule::kForward) {
   Options options;
@@ -107,6 +125,32 @@ void rules() {
          "40 KB static + 16 KB dynamic shared memory without opt-in fails: " + error);
 }
 
+// A slow worker's block runs first and is overtaken by every block the other host thread
+// can run, on every run alike; a block waiting on the slow one's flag lets it go on.
+void slow_worker() {
+  Options options;
+  options.host_threads = 2;
+  options.slow_worker = true;
+  bool overtaken = true;
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    int buffer[5] = {};
+    int* out = buffer;
+    set_options(options);
+    simt::launch<order_past_barrier>(4, 64, 0, nullptr, out);
+    overtaken = overtaken && simt::get_last_error() == cudaSuccess && out[0] == 3 && out[1] == 0 &&
+                out[2] == 1 && out[3] == 2;
+  }
+  expect(overtaken,
+         "the slow worker's block 0 passes its barrier after blocks 1-3, in each of 20 runs");
+  int word = 0;
+  int* flag = &word;
+  set_options(options);
+  simt::launch<others_wait_for_block_0>(4, 64, 0, nullptr, flag);
+  const bool ran = simt::get_last_error() == cudaSuccess;
+  expect(ran && word == 1,
+         std::string("blocks waiting on the slow worker's flag let it go on ") + last_error());
+}
+
 void error_semantics() {
   int buffer[64];
   int* out = buffer;
@@ -133,6 +177,7 @@ void error_semantics() {
 int main() {
   using namespace kvprune::emu::rules_test;
   rules();
+  slow_worker();
   error_semantics();
   std::printf("%s: emulator execution rules (%d failed)\n", failures == 0 ? "ok" : "FAILED", failures);
   return failures == 0 ? 0 : 1;
