@@ -146,8 +146,8 @@ struct Launch {
   std::mutex workers_mutex;
   int running_workers = 0;
   std::vector<const uint32_t*> awaited;  // one entry per waiting worker
-  // With a slow worker (Options::slow_worker): set once it first stalls, waits on a flag or
-  // runs out of blocks; the other workers take no block before, so the slow one runs first.
+  // With a slow worker (Options::slow_worker): set once its first block stalls, waits on a
+  // flag or ends; the other workers take no block before, so the slow one's runs first.
   std::atomic<bool> slow_started{false};
 
   void finish_worker() {
@@ -573,20 +573,22 @@ void run_blocks(Launch& launch, bool slow) {
   {
     BlockRun run(launch, *pool, slow);
     if (launch.options.slow_worker && !slow)
-      while (!launch.slow_started.load(std::memory_order_acquire)) std::this_thread::yield();
+      while (!launch.slow_started.load(std::memory_order_acquire))
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
     const uint64_t blocks = static_cast<uint64_t>(launch.grid.x) * launch.grid.y * launch.grid.z;
     std::string error;
     for (;;) {
       if (launch.failed.load(std::memory_order_relaxed)) break;
       const uint64_t b = launch.next_block.fetch_add(1, std::memory_order_relaxed);
       if (b >= blocks) break;
-      if (!run.run(b, &error)) {
+      const bool ok = run.run(b, &error);
+      if (slow) launch.slow_started.store(true, std::memory_order_release);
+      if (!ok) {
         const std::lock_guard<std::mutex> lock(launch.error_mutex);
         if (!launch.failed.exchange(true)) launch.error = error;
         break;
       }
     }
-    if (slow) launch.slow_started.store(true, std::memory_order_release);
     launch.finish_worker();
   }
   release_pool(std::move(pool));

@@ -15,8 +15,9 @@
 //    keeps its host thread while it waits, so a wait that no block running on another
 //    host thread can end (with one host thread: any unset flag) fails the launch as
 //    the deadlock it would be on a GPU, where blocks need not run at once either.
-//    Options::slow_worker makes one host thread a slow SM: at its barriers it waits until
-//    the others can go no further, so their blocks overtake its blocks, on every run alike.
+//    Options::slow_worker makes one host thread a slow SM: its first block runs first, and
+//    at its barriers it waits until the others can go no further, so their blocks overtake
+//    its blocks (with two host threads, the same way on every run).
 //  * Anything that would hang or be undefined on a GPU fails the launch with a
 //    message naming the kernel, the block and the threads: a barrier that only
 //    part of the block reaches, a collective that can never complete (a lane of its

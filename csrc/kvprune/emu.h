@@ -25,12 +25,12 @@ struct Options {
   uint64_t seed = 0;
   int sm_count = 132;    // what the launch heuristics see (an H100 SXM / H200 has 132)
   int host_threads = 0;  // host threads that run blocks in parallel; 0: one per CPU, at most 8
-  // True: the calling host thread (one of the host_threads) stands for a slow SM. Its block
-  // runs first, and when the first thread of one of its blocks reaches a barrier and when the
-  // barrier opens, it waits until every other host thread waits on an unset flag or has no
-  // block left. The others' blocks thus overtake its blocks as far as they can, the same way
-  // on every run (ordering bugs between blocks, e.g. a missing wait on a flag or a flag set
-  // before the block's loads, then show).
+  // True: the calling host thread (one of the host_threads) stands for a slow SM. Its first
+  // block runs before any other, and when the first thread of one of its blocks reaches a
+  // barrier and when the barrier opens, it waits until every other host thread waits on an
+  // unset flag or has no block left: the others' blocks overtake its blocks as far as they
+  // can (ordering bugs between blocks, e.g. a missing wait on a flag or a flag set before the
+  // block's loads, then show). With host_threads = 2 the order is the same on every run.
   bool slow_worker = false;
 };
 

@@ -55,11 +55,11 @@ def emulate_cuda(
         each op runs under each and must give bitwise-equal results.
     sm_count: the SM count the launch heuristics see (an H100/H200 has 132).
     host_threads: host threads running blocks in parallel (0: one per CPU, at most 8).
-    slow_worker: makes the calling host thread a slow SM. Its block runs first, and when the
-        first thread of one of its blocks reaches a barrier and when the barrier opens, it
-        waits until every other host thread waits on an unset flag or has no block left, so
-        the others' blocks overtake its blocks, the same way on every run (ordering bugs
-        between blocks show).
+    slow_worker: makes the calling host thread a slow SM. Its first block runs before any
+        other, and when the first thread of one of its blocks reaches a barrier and when the
+        barrier opens, it waits until every other host thread waits on an unset flag or has
+        no block left, so the others' blocks overtake its blocks (ordering bugs between blocks
+        show); with ``host_threads=2``, the same way on every run.
     """
     if not _C.build_info()["cuda_emulator"]:
         raise RuntimeError("this build of kvprune_cuda has no CUDA emulator "

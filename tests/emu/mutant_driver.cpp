@@ -171,8 +171,10 @@ int compact_kv() {
     p.v = {v.data(), heads * n * d, n * d, d};
   };
   std::vector<float> k(k0.size()), v(v0.size());
-  // Two host threads, the caller's a slow SM: while its block of slab 0 stalls at a barrier,
-  // the other thread's block of slab 1 of the same row may store only after slab 0's loads.
+  // Two host threads, the caller's a slow SM. Forward schedule: its block takes slab 0 of row
+  // 0 and stalls at a barrier, while the other thread's block of slab 1 of the same row may
+  // store only after slab 0's loads. Reverse: its block stalls before taking a part and ends
+  // with the last one, a correct order, so a race shows as forward != reverse.
   kvprune::emu::Options options;
   options.host_threads = 2;
   options.slow_worker = true;

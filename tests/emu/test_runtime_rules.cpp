@@ -66,15 +66,18 @@ __global__ void order_past_barrier(int* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = atomicAdd(out + gridDim.x, 1);
 }
 
-// Block 0 sets a flag after its barrier; every other block waits on it.
+// out[0]: a flag block 0 sets after its barrier, having written out[1] = 42; every other
+// block waits on it, then copies out[1] to out[1 + blockIdx.x].
 __global__ void others_wait_for_block_0(int* out) {
   uint32_t* flag = reinterpret_cast<uint32_t*>(out);
   if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) out[1] = 42;
     __syncthreads();
     if (threadIdx.x == 0) simt::set_flag(flag);
   } else {
     if (threadIdx.x == 0) simt::wait_flag(flag);
     __syncthreads();
+    if (threadIdx.x == 0) out[1 + blockIdx.x] = out[1];
   }
 }
 
@@ -142,13 +145,14 @@ void slow_worker() {
   }
   expect(overtaken,
          "the slow worker's block 0 passes its barrier after blocks 1-3, in each of 20 runs");
-  int word = 0;
-  int* flag = &word;
+  int words[5] = {};
+  int* flagged = words;
   set_options(options);
-  simt::launch<others_wait_for_block_0>(4, 64, 0, nullptr, flag);
+  simt::launch<others_wait_for_block_0>(4, 64, 0, nullptr, flagged);
   const bool ran = simt::get_last_error() == cudaSuccess;
-  expect(ran && word == 1,
-         std::string("blocks waiting on the slow worker's flag let it go on ") + last_error());
+  expect(ran && words[0] == 1 && words[2] == 42 && words[3] == 42 && words[4] == 42,
+         std::string("blocks waiting on the slow worker's flag let it go on, then see what it "
+                     "wrote before ") + last_error());
 }
 
 void error_semantics() {
