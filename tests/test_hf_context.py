@@ -930,9 +930,9 @@ def test_defaults_are_the_measured_best(model, gen):
     gets 18/20 and a uniform budget 0/20), with KVzip's chunk softmax, GQA max, sinks only,
     and a quarter of each head's budget as its floor (bench/notes/2026-12-05-ruler-defaults.md:
     better than none at 10 / 16 / 25 % on the RULER-style suite, passkey 20/20), ranked by
-    KVzip+'s output-weighted maxima (ibid., "KVzip+ becomes the default": 0.91 of full at 16 %
-    against 0.82 with plain maxima, passkey 10/10, scoring 1.015x); the other policies one
-    count per layer. A user's first call needs no option."""
+    KVzip+'s output-weighted maxima (ibid., "KVzip+ becomes the default": 0.90 of full at 16 %
+    against 0.83 with plain maxima on the same 130 samples, passkey 10/10, scoring 1.015x);
+    the other policies one count per layer. A user's first call needs no option."""
     kvzip = kp.policy.make("kvzip")
     assert (kvzip.default_scope, kvzip.softmax, kvzip.gqa, kvzip.window, kvzip.head_floor,
             kvzip.novelty, kvzip.weight) == ("head", "chunk", "max", 0, 0.25, 0.0, "output")
