@@ -145,6 +145,22 @@ class SnapKVStride(kp.policy.SnapKV):
 
 
 @dataclass(frozen=True)
+class SnapKVPrefix(kp.policy.SnapKV):
+    """The default SnapKV that also keeps the prompt's first ``prefix`` tokens whatever their
+    vote (a wider sink: where the model starts when it recites a list, for cwe), the rest of
+    the budget by the pooled votes."""
+
+    name: ClassVar[str] = "snapkv_prefix"
+    prefix: int = 128
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None):
+        s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
+        head = min(self.prefix, max(s.shape[-1] - self.window, 0))
+        s[..., :head] += 1e3  # above any vote: a sum of <= window probabilities
+        return s
+
+
+@dataclass(frozen=True)
 class KVzipStride(kp.policy.KVzip):
     """kvzip plus a coverage floor: every ``stride``-th context token is kept whatever its
     reconstruction maximum (a uniform sample, for the word-frequency tasks), the rest of the
@@ -300,7 +316,7 @@ def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
 
 kp.hf.scoring.selection_scores = _selection_scores_with_probe
 
-for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, KVzipStride, KeyDiff,
+for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, SnapKVPrefix, KVzipStride, KeyDiff,
              KVzipKeyDiff, KVzipUnroped, KVzipProbe, KVzipPlus):
     kp.policy.register(_cls)
 
@@ -325,6 +341,8 @@ VARIANTS = {
     "sv-d-gqamax": ("snapkv", {"gqa": "max", "window": W}),
     "sv-d-stride32": ("snapkv_stride", {"stride": 32, "window": W}),
     "sv-d-stride64": ("snapkv_stride", {"stride": 64, "window": W}),
+    "sv-d-prefix128": ("snapkv_prefix", {"prefix": 128, "window": W}),
+    "sv-d-prefix256": ("snapkv_prefix", {"prefix": 256, "window": W}),
 }
 # query-agnostic: kvzip's reconstruction maxima pooled before they are ranked (the library's
 # KVzip(kernel_size, pool_shift)); every variant shares the sample's one reconstruction
