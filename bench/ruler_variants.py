@@ -18,7 +18,9 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   64 are recorded; every setting then names its own window);
 * ``sv-d-*``: the default pool (49 wide, shifted 16) centred (``c49``), shifted 8 (``s8``),
   averaged (``avg``), with GQA max (``gqamax``), or with every 32nd / 64th token kept
-  whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting);
+  whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting), or with
+  the prompt's first 128 / 256 tokens kept (``prefix128`` / ``prefix256``: a wider sink, where
+  a list's recitation starts);
 * ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
   maxima max-pooled over K positions (shifted S later) before ranking;
 * ``kz-head-strideS``: kvzip-head with every S-th context token kept whatever its maximum;
@@ -51,7 +53,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,15 @@ def _chunk_sum(s: torch.Tensor, window: int, chunk: int) -> torch.Tensor:
     sums = padded.reshape(*s.shape[:-1], m // chunk, chunk).sum(-1, keepdim=True)
     out[..., :prefix] = sums.expand(*s.shape[:-1], m // chunk, chunk).reshape(*s.shape[:-1], m)[..., :prefix]
     return out
+
+
+def _always_kept(s: torch.Tensor, window: int, *, stop: Optional[int] = None,
+                 step: int = 1) -> torch.Tensor:
+    """Lifts the votes ``s`` [B, H, n] of the tokens ``[0, min(stop, n - window)):step`` above
+    any vote (a sum of <= window probabilities), so they are kept whatever their vote."""
+    prefix = max(s.shape[-1] - window, 0)
+    s[..., :prefix if stop is None else min(stop, prefix):step] += 1e3
+    return s
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,7 @@ class SnapKVStride(kp.policy.SnapKV):
 
     def score(self, queries, keys, *, scale=None, seq_lens=None):
         s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
-        prefix = max(s.shape[-1] - self.window, 0)
-        s[..., :prefix:self.stride] += 1e3  # above any vote: a sum of <= window probabilities
-        return s
+        return _always_kept(s, self.window, step=self.stride)
 
 
 @dataclass(frozen=True)
@@ -155,9 +164,7 @@ class SnapKVPrefix(kp.policy.SnapKV):
 
     def score(self, queries, keys, *, scale=None, seq_lens=None):
         s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
-        head = min(self.prefix, max(s.shape[-1] - self.window, 0))
-        s[..., :head] += 1e3  # above any vote: a sum of <= window probabilities
-        return s
+        return _always_kept(s, self.window, stop=self.prefix)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,17 @@ default = rv._setting_policy("kvzip-head-default", args)
 assert default == er.kp.policy.make(rv._setting_policy("kzfl-head-h25", args), weight="output")
 assert default.weight == "output" and er._recorded_with("kzplus-head-h25", args) == \
     er._recorded_with("kzfl-head-h25", args) != er._recorded_with("kvzip-head-default", args)
+# the vote floors: the default's votes, lifted by 1e3 at exactly the positions each names
+torch = er.torch
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 20, 8, generator=g)
+plain = er.kp.policy.SnapKV(window=3).score(q, k)
+for policy, lifted in [(rv.SnapKVPrefix(prefix=5, window=3), [0, 1, 2, 3, 4]),
+                       (rv.SnapKVPrefix(prefix=40, window=3), list(range(17))),
+                       (rv.SnapKVStride(stride=6, window=3), [0, 6, 12])]:
+    lift = torch.zeros(20)
+    lift[lifted] = 1e3
+    assert torch.equal(policy.score(q, k), plain + lift), policy
 print("ok")
 """
 
