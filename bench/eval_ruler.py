@@ -55,7 +55,9 @@ in the answer (the score can no longer change).
 
 ``--table`` also prints a task-family table (each family the mean of its tasks' means) and, per
 family and query mode, our best setting against kvpress's best press of the same mode on the
-samples that press ran. ``--threads`` (default 1) sets torch's threads: the 2-core machine is shared.
+samples that press ran. With ``--configs A B`` the tables hold only full, A and B, on the samples
+all of them ran; with ``--rows A B`` only full, A and B, each on every sample it ran. ``--threads``
+(default 1) sets torch's threads: the 2-core machine is shared.
 """
 
 from __future__ import annotations
@@ -474,6 +476,15 @@ def same_samples(data: dict, names: list) -> dict:
     return {**data, "records": records}
 
 
+def only_configs(data: dict, names: list) -> dict:
+    """``data`` with only full and the configs ``names``, each on every sample it ran (paired
+    with full where both ran, as the tables always are)."""
+    keep = {"full", *names}
+    records = [{**r, "results": {k: v for k, v in r["results"].items() if k in keep}}
+               for r in data["records"] if keep & set(r["results"])]
+    return {**data, "records": records}
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -857,6 +868,8 @@ def parse(argv=None):
     ap.add_argument("--configs", nargs="+", metavar="CONFIG",
                     help="with --table: only full and these configs (e.g. kvzip-head@16%%), on "
                          "the samples where all of them ran")
+    ap.add_argument("--rows", nargs="+", metavar="CONFIG",
+                    help="with --table: only full and these configs, each on all its samples")
     ap.add_argument("--plot", type=Path, nargs="?", const=Path("bench/results/ruler.png"),
                     help="score vs budget per task family (PNG)")
     args = ap.parse_args(argv)
@@ -877,6 +890,8 @@ def main(argv=None) -> dict:
         data = merge([json.loads(Path(f).read_text()) for f in args.table])
         if args.configs:
             data = same_samples(data, args.configs)
+        if args.rows:
+            data = only_configs(data, args.rows)
         print(table(data))
         if args.out:  # the study's parts as one file; its meta: this merge's run, the parts' under "merged"
             common.write_json(args.out, {**data, "meta": {}})

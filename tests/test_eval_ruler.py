@@ -476,3 +476,13 @@ def test_table_of_configs_keeps_the_samples_they_all_ran():
     got = er.same_samples(data, ["a@16%", "b@16%"])
     assert [(x["index"], sorted(x["results"])) for x in got["records"]] == [
         (0, ["a@16%", "b@16%", "full"]), (3, ["a@16%", "b@16%", "full"])]
+
+
+def test_table_rows_keep_each_config_on_all_its_samples():
+    r = lambda i, names: {"task": "vt", "index": i, "refs": ["A"],  # noqa: E731
+                          "results": {n: {"score": 1.0} for n in names}}
+    data = {"records": [r(0, ["full", "a@16%", "b@16%"]), r(1, ["full", "a@16%"]),
+                        r(2, ["b@16%", "c@16%"]), r(3, ["c@16%"])]}
+    got = er.only_configs(data, ["a@16%", "b@16%"])
+    assert [(x["index"], sorted(x["results"])) for x in got["records"]] == [
+        (0, ["a@16%", "b@16%", "full"]), (1, ["a@16%", "full"]), (2, ["b@16%"])]
