@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_server.json")
     args = ap.parse_args()
-    common.run_meta()  # the commit and date of the run's start
+    common.run_meta()  # the machine line (threads) as the run starts, before vLLM loads
 
     import vllm
     from transformers import AutoTokenizer

@@ -89,16 +89,20 @@ def machine() -> str:
             f"transformers {tf}")
 
 
+# the checkout when the run starts (this module's import): the code a run loads is that commit's,
+# whatever is committed while it runs
+_START = {"commit": commit(), "dirty": dirty(),
+          "date": datetime.datetime.now().isoformat(timespec="seconds")}
 _META: dict = {}
 
 
 def run_meta() -> dict:
-    """What every result file records about its run: command line, commit, dirty flag, machine,
-    and the date of the first call (the run's start: later calls return the same values)."""
+    """What every result file records about its run: command line, the commit, dirty flag and
+    date of its start (``_START``), and the machine with torch's thread count at the first call
+    (after the script set it; later calls return the same values)."""
     if not _META:
-        _META.update({"command": " ".join(sys.argv), "commit": commit(), "dirty": dirty(),
-                      "machine": machine(),
-                      "date": datetime.datetime.now().isoformat(timespec="seconds")})
+        _META.update({"command": " ".join(sys.argv), "commit": _START["commit"],
+                      "dirty": _START["dirty"], "machine": machine(), "date": _START["date"]})
     return dict(_META)
 
 
