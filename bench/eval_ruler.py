@@ -467,15 +467,6 @@ def merge(parts: list) -> dict:
     return data
 
 
-def same_samples(data: dict, names: list) -> dict:
-    """``data`` with only full and the configs ``names``, on the samples where full and every
-    one of them ran (a comparison on the same samples)."""
-    keep = {"full", *names}
-    records = [{**r, "results": {k: v for k, v in r["results"].items() if k in keep}}
-               for r in data["records"] if keep <= set(r["results"])]
-    return {**data, "records": records}
-
-
 def only_configs(data: dict, names: list) -> dict:
     """``data`` with only full and the configs ``names``, each on every sample it ran (paired
     with full where both ran, as the tables always are)."""
@@ -483,6 +474,13 @@ def only_configs(data: dict, names: list) -> dict:
     records = [{**r, "results": {k: v for k, v in r["results"].items() if k in keep}}
                for r in data["records"] if keep & set(r["results"])]
     return {**data, "records": records}
+
+
+def same_samples(data: dict, names: list) -> dict:
+    """:func:`only_configs` on the samples where full and every one of ``names`` ran (a
+    comparison on the same samples)."""
+    keep, data = {"full", *names}, only_configs(data, names)
+    return {**data, "records": [r for r in data["records"] if set(r["results"]) == keep]}
 
 
 def _mean(xs):
