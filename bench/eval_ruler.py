@@ -11,7 +11,7 @@ as ``ruler_tasks.prompt_ids`` does):
   query-agnostic settings run too, their context's scoring extended by the question,
   ``sc = scored_context.extend(question_ids[:, :-1])``: the context is prefilled once); per config
   ``sc.compress(budget=B, policy=P).generate(prompt[:, -1:], ...)`` (``P="full"``: nothing
-  dropped). The budget is a fraction of those tokens. The same semantics as
+  dropped; a setting that names a budget scope passes it, ``budget_scope=S``). The budget is a fraction of those tokens. The same semantics as
   ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
   attends to the compressed cache (and is not in the window) instead of the whole prompt; one
   prefill instead of one per config.
@@ -34,9 +34,11 @@ as ``ruler_tasks.prompt_ids`` does):
   then that token: the peer of ``snapkv-aware``, on the same tokens and budget;
   ``kvpress-observed-aware`` likewise with ``ObservedAttentionPress`` (each key's attention
   averaged over the queries that see it; eager attention for its prefill), the peer of
-  ``h2o-aware`` (summed). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
-  their bytes are really freed; ``KVzipPress`` masks evicted keys and frees nothing (its row
-  says "masked"; its tokens are the unmasked ones).
+  ``h2o-aware`` (summed); ``kvpress-adakv-aware`` / ``-chunkkv-aware`` / ``-pyramidkv-aware``
+  likewise with SnapKVPress's window and pool under ``AdaKVPress`` (head-adaptive budgets),
+  ``ChunkKVPress`` (whole chunks) and ``PyramidKVPress`` (layer budgets). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
+  their bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask evicted keys and free nothing (their rows
+  say "masked"; their tokens are the unmasked ones).
 
 Recorded per (sample, setting, budget): the answer, RULER's score (fraction of the reference
 strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the
@@ -100,8 +102,12 @@ SETTINGS = {
     "kvpress-kvzip": ("kvpress", "KVzipPress", None),
     "kvpress-expected": ("kvpress", "ExpectedAttentionPress", None),
     "kvpress-observed-aware": ("kvpress", "ObservedAttentionPress", "aware"),
+    "kvpress-adakv-aware": ("kvpress", "AdaKVPress", "aware"),
+    "kvpress-chunkkv-aware": ("kvpress", "ChunkKVPress", "aware"),
+    "kvpress-pyramidkv-aware": ("kvpress", "PyramidKVPress", "aware"),
 }
 EAGER_PRESSES = ("ObservedAttentionPress",)  # presses that read the attention weights
+MASKING_PRESSES = ("KVzipPress", "AdaKVPress")  # presses that mask evicted keys, freeing none
 # setting -> policy options over the run's (ruler_probe.py: a wider pool keeps needle values)
 # (snapkv-aware and snapkv-agnostic: the library's default until pool_shift, as their records
 # hold; snapkv-aware-default: the library's default of the run, what kp.hf.compress does;
@@ -186,9 +192,17 @@ def _gen_kwargs(tok, refs, max_new):
 
 
 def _make_press(kvpress, cls: str, ratio: float, args):
+    """kvpress's ``cls`` at ``ratio``; SnapKV's window and pool for SnapKVPress, the presses
+    that wrap it (AdaKVPress: head-adaptive budgets with its 0.2 safeguard; ChunkKVPress: whole
+    20-token chunks) and PyramidKVPress (its layer budgets)."""
+    snap = dict(compression_ratio=ratio, window_size=args.window,
+                kernel_size=args.kernel_size or common.KVPRESS_KERNEL)
     if cls == "SnapKVPress":
-        return kvpress.SnapKVPress(compression_ratio=ratio, window_size=args.window,
-                                   kernel_size=args.kernel_size or common.KVPRESS_KERNEL)
+        return kvpress.SnapKVPress(**snap)
+    if cls in ("AdaKVPress", "ChunkKVPress"):
+        return getattr(kvpress, cls)(press=kvpress.SnapKVPress(**snap))
+    if cls == "PyramidKVPress":
+        return kvpress.PyramidKVPress(**snap)
     if cls == "StreamingLLMPress":
         return kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=args.n_sink)
     if cls == "KVzipPress":
@@ -322,8 +336,8 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
             sc, shared["prompt"] = _scored(model, tok, prompt[:, :-1], aware_names, args)
         for s, f in aware:
             policy = "full" if s == "full" else _setting_policy(s, args)
-            out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f, None,
-                                                  max_new, "after the prompt")
+            out[config_name(s, f)] = _from_scored(sc, tok, prompt[:, -1:], refs, policy, f,
+                                                  SETTINGS[s][2], max_new, "after the prompt")
     del sc
     for s, f in cfgs:
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
@@ -365,7 +379,7 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
         if eager:
             model.set_attn_implementation(attn)
     layers = model.model.layers
-    if cls == "KVzipPress":  # masked, not freed
+    if cls in MASKING_PRESSES:  # masked, not freed
         hkv = model.config.num_key_value_heads
         masked = [0 if getattr(l.self_attn, "masked_key_indices", None) is None
                   else int(l.self_attn.masked_key_indices[0].numel()) for l in layers]
@@ -379,7 +393,7 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
     try:
         rec["new"] = _greedy(model, tok, cache, qst, n_ctx, max_new, refs)
     finally:
-        for lay in layers:  # KVzipPress's masks must not leak into the next run
+        for lay in layers:  # a masking press's masks must not leak into the next run
             lay.self_attn.masked_key_indices = None
     del cache
     rec["seconds"] = time.perf_counter() - t0

@@ -21,6 +21,9 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting), or with
   the prompt's first 128 / 256 tokens kept (``prefix128`` / ``prefix256``: a wider sink, where
   a list's recitation starts);
+* ``sv-d-head`` / ``sv-d-global``: the default's votes with the budget shared over every
+  (layer, KV head) / over the layers (budget scopes "head" / "global"); ``sv-d-head-f20``:
+  "head" with AdaKV's safeguard, 20 % of each head's budget to its own best votes first;
 * ``kz-SCOPE-pK[sS]``: query-agnostic kvzip (budget scope SCOPE) with its reconstruction
   maxima max-pooled over K positions (shifted S later) before ranking;
 * ``kz-head-strideS``: kvzip-head with every S-th context token kept whatever its maximum;
@@ -165,6 +168,26 @@ class SnapKVPrefix(kp.policy.SnapKV):
     def score(self, queries, keys, *, scale=None, seq_lens=None):
         s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
         return _always_kept(s, self.window, stop=self.prefix)
+
+
+@dataclass(frozen=True)
+class SnapKVFloor(kp.policy.SnapKV):
+    """The default SnapKV for a budget shared over heads (``budget_scope="head"``): each KV
+    head's ``floor`` share of its budget goes first to its own best-voted tokens between the
+    sinks and the window (AdaKV's safeguard), the rest to the best votes of every head."""
+
+    name: ClassVar[str] = "snapkv_floor"
+    floor: float = 0.2
+
+    def score(self, queries, keys, *, scale=None, seq_lens=None):
+        s = super().score(queries, keys, scale=scale, seq_lens=seq_lens)
+        n = s.shape[-1]
+        free = s[..., self.n_sink:max(n - self.window, self.n_sink)]
+        count = min(int(self.floor * self.kept_tokens(n)), free.shape[-1])
+        if count > 0:
+            top = free.topk(count, -1).indices + self.n_sink
+            s.scatter_add_(-1, top, torch.full(top.shape, 1e3, dtype=s.dtype, device=s.device))
+        return s
 
 
 @dataclass(frozen=True)
@@ -323,7 +346,8 @@ def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
 
 kp.hf.scoring.selection_scores = _selection_scores_with_probe
 
-for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, SnapKVPrefix, KVzipStride,
+for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, SnapKVPrefix, SnapKVFloor,
+             KVzipStride,
              KeyDiff, KVzipKeyDiff, KVzipUnroped, KVzipProbe, KVzipPlus):
     kp.policy.register(_cls)
 
@@ -350,6 +374,14 @@ VARIANTS = {
     "sv-d-stride64": ("snapkv_stride", {"stride": 64, "window": W}),
     "sv-d-prefix128": ("snapkv_prefix", {"prefix": 128, "window": W}),
     "sv-d-prefix256": ("snapkv_prefix", {"prefix": 256, "window": W}),
+}
+# query-aware, the default's votes ranked over more than a layer's heads (budget scope "head":
+# every (layer, KV head) of the model, AdaKV with PyramidKV-like layer shares; "global": layers
+# by their votes, evenly over a layer's heads), with AdaKV's 20 % safeguard per head or none
+SCOPED_VARIANTS = {
+    "sv-d-head": ("head", "snapkv", {"window": W}),
+    "sv-d-head-f20": ("head", "snapkv_floor", {"floor": 0.2, "window": W}),
+    "sv-d-global": ("global", "snapkv", {"window": W}),
 }
 # query-agnostic: kvzip's reconstruction maxima pooled before they are ranked (the library's
 # KVzip(kernel_size, pool_shift)); every variant shares the sample's one reconstruction
@@ -381,6 +413,9 @@ KVZIP_VARIANTS = {
 }
 for _name, (_policy, _options) in VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, None)
+    er.OPTIONS[_name] = _options
+for _name, (_scope, _policy, _options) in SCOPED_VARIANTS.items():
+    er.SETTINGS[_name] = ("aware", _policy, _scope)
     er.OPTIONS[_name] = _options
 for _name, _kernel in (("kd-layer", 1), ("kd-layer-p7", 7)):
     er.SETTINGS[_name] = ("agnostic", "keydiff", "layer")

@@ -198,11 +198,21 @@ def test_quick_context_question_split_and_budgets(quick_run):
             setting, frac = er.split_name(name)
             kind = er.SETTINGS[setting][0]
             new = res["new_tokens"]
-            if kind in ("full", "aware") or er.SETTINGS[setting][2] == "aware":
+            tl = res["tokens_per_layer"]
+            press = er.SETTINGS[setting][1] if er.SETTINGS[setting][2] == "aware" else None
+            if kind in ("full", "aware") or press in ("SnapKVPress", "ObservedAttentionPress"):
                 # the prompt but its last token, compressed once (kvpress-snapkv-aware: likewise)
                 kb = n_all - 1 if kind == "full" else kp.hf.resolve_budget(frac, n_all - 1)
                 assert res["budget_tokens"] == kb and held_ok(res, name, kb), name
-                assert res["tokens_per_layer"] == [kb] * len(res["tokens_per_layer"]), name
+                assert tl == [kb] * len(tl), name
+            elif er.SETTINGS[setting][2] == "aware":  # kvpress's head / chunk / layer budgets
+                kb = kp.hf.resolve_budget(frac, n_all - 1)
+                assert res["budget_tokens"] == kb, name
+                if press in er.MASKING_PRESSES:  # AdaKVPress: the budget, masked, not freed
+                    assert res["kv_bytes"] is None and sum(tl) == pytest.approx(len(tl) * kb), name
+                else:  # ChunkKVPress's chunk shares and PyramidKVPress's layer ones round
+                    assert sum(tl) == pytest.approx(len(tl) * kb, rel=0.1), name
+                    assert held_ok(res, name, sum(tl) / len(tl)), name
             else:  # the context alone was compressed: the question's tokens are not in it
                 kb = kp.hf.resolve_budget(frac, n_ctx)
                 assert res["budget_tokens"] == kb
