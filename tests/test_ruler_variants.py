@@ -57,6 +57,22 @@ for policy, lifted in [(rv.SnapKVPrefix(prefix=5, window=3), [0, 1, 2, 3, 4]),
     lift = torch.zeros(20)
     lift[lifted] = 1e3
     assert torch.equal(policy.score(q, k), plain + lift), policy
+# AdaKV's safeguard: half of each head's 10 kept tokens (budget 0.5 of 20) lifted, the head's
+# best votes between the 4 sinks and the 3-token window; the rest as voted (unpooled votes: the
+# default pool's plateaus would tie them all)
+plain = er.kp.policy.SnapKV(window=3, kernel_size=1).score(q, k)
+floor = rv.SnapKVFloor(floor=0.5, budget=0.5, window=3, kernel_size=1).score(q, k)
+lifted = (floor - plain) > 0
+assert torch.equal(floor[~lifted], plain[~lifted])
+assert torch.equal(floor[lifted], plain[lifted] + 1e3)
+for h in range(2):
+    where = lifted[0, h].nonzero().flatten().tolist()
+    assert len(where) == 5 and all(4 <= i < 17 for i in where), where
+    rest = [i for i in range(4, 17) if i not in where]
+    assert plain[0, h, where].min() >= plain[0, h, rest].max(), h
+# the scoped screens rank the default's votes under the scope they name
+assert [er.SETTINGS[s][::2] for s in ("sv-d-head", "sv-d-head-f20", "sv-d-global")] == \
+    [("aware", "head"), ("aware", "head"), ("aware", "global")]
 print("ok")
 """
 
