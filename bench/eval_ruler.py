@@ -11,10 +11,10 @@ as ``ruler_tasks.prompt_ids`` does):
   query-agnostic settings run too, their context's scoring extended by the question,
   ``sc = scored_context.extend(question_ids[:, :-1])``: the context is prefilled once); per config
   ``sc.compress(budget=B, policy=P).generate(prompt[:, -1:], ...)`` (``P="full"``: nothing
-  dropped; a setting that names a budget scope passes it, ``budget_scope=S``). The budget is a fraction of those tokens. The same semantics as
-  ``kp.hf.compress`` around ``model.generate`` but for the prompt's last token, which here
-  attends to the compressed cache (and is not in the window) instead of the whole prompt; one
-  prefill instead of one per config.
+  dropped; a setting that names a budget scope passes it, ``budget_scope=S``). The budget is a
+  fraction of those tokens. The same semantics as ``kp.hf.compress`` around ``model.generate``
+  but for the prompt's last token, which here attends to the compressed cache (and is not in
+  the window) instead of the whole prompt; one prefill instead of one per config.
 * query-agnostic (kvzip-head / kvzip-global / kvzip-layer: kvzip with no per-head floor and
   plain maxima, ``weight="none"``, as their records hold; kvzip-head-default: the library's
   kvzip; snapkv-agnostic, h2o-agnostic): the context compressed before the question is
@@ -36,9 +36,10 @@ as ``ruler_tasks.prompt_ids`` does):
   averaged over the queries that see it; eager attention for its prefill), the peer of
   ``h2o-aware`` (summed); ``kvpress-adakv-aware`` / ``-chunkkv-aware`` / ``-pyramidkv-aware``
   likewise with SnapKVPress's window and pool under ``AdaKVPress`` (head-adaptive budgets),
-  ``ChunkKVPress`` (whole chunks) and ``PyramidKVPress`` (layer budgets). The scorer presses (SnapKV, StreamingLLM, ExpectedAttention) prune the cache, so
-  their bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask evicted keys and free nothing (their rows
-  say "masked"; their tokens are the unmasked ones).
+  ``ChunkKVPress`` (whole chunks) and ``PyramidKVPress`` (layer budgets). The scorer presses
+  (SnapKV, StreamingLLM, ExpectedAttention) and ChunkKV / PyramidKV prune the cache, so their
+  bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask evicted keys and free nothing
+  (their rows say "masked"; their tokens are the unmasked ones).
 
 Recorded per (sample, setting, budget): the answer, RULER's score (fraction of the reference
 strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the

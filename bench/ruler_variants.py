@@ -347,8 +347,7 @@ def _selection_scores_with_probe(st, policy, k, layer, seq_lens=None):
 kp.hf.scoring.selection_scores = _selection_scores_with_probe
 
 for _cls in (SnapKVForward, SnapKVChunk, SnapKVQueryMax, SnapKVStride, SnapKVPrefix, SnapKVFloor,
-             KVzipStride,
-             KeyDiff, KVzipKeyDiff, KVzipUnroped, KVzipProbe, KVzipPlus):
+             KVzipStride, KeyDiff, KVzipKeyDiff, KVzipUnroped, KVzipProbe, KVzipPlus):
     kp.policy.register(_cls)
 
 W = 32  # the library's default window: every setting names its own (the run records --window)
