@@ -23,8 +23,9 @@ as ``ruler_tasks.prompt_ids`` does):
   differ), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
   ``.generate(question_ids, ...)``: what ``kp.hf.compress_context`` does for one policy. The
   budget is a fraction of the context's tokens.
-* kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected: ``SnapKVPress``,
-  ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``): as kvpress's own pipeline
+* kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
+  ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
+  cosine distance from its head's mean key): as kvpress's own pipeline
   runs them, query-agnostic: the context prefilled under ``with press(model)``, then the
   question and a greedy decode on that cache (positions continuing the context's), the same
   token budget (``compression_ratio = 1 - (kept + 0.5) / n``, kvpress floors the pruned
@@ -34,10 +35,12 @@ as ``ruler_tasks.prompt_ids`` does):
   then that token: the peer of ``snapkv-aware``, on the same tokens and budget;
   ``kvpress-observed-aware`` likewise with ``ObservedAttentionPress`` (each key's attention
   averaged over the queries that see it; eager attention for its prefill), the peer of
-  ``h2o-aware`` (summed); ``kvpress-adakv-aware`` / ``-chunkkv-aware`` / ``-pyramidkv-aware``
-  likewise with SnapKVPress's window and pool under ``AdaKVPress`` (head-adaptive budgets),
-  ``ChunkKVPress`` (whole chunks) and ``PyramidKVPress`` (layer budgets). The scorer presses
-  (SnapKV, StreamingLLM, ExpectedAttention) and ChunkKV / PyramidKV prune the cache, so their
+  ``h2o-aware`` (summed); ``kvpress-adakv-aware`` / ``-chunkkv-aware`` / ``-pyramidkv-aware`` /
+  ``-criticalkv-aware`` likewise with SnapKVPress's window and pool under ``AdaKVPress``
+  (head-adaptive budgets), ``ChunkKVPress`` (whole chunks), ``PyramidKVPress`` (layer budgets)
+  and ``CriticalKVPress`` (SnapKV's scores weighted by each value's output norm). The scorer
+  presses (SnapKV, StreamingLLM, ExpectedAttention, KeyDiff, CriticalKV) and ChunkKV / PyramidKV
+  prune the cache, so their
   bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask evicted keys and free nothing
   (their rows say "masked"; their tokens are the unmasked ones).
 
@@ -106,6 +109,8 @@ SETTINGS = {
     "kvpress-adakv-aware": ("kvpress", "AdaKVPress", "aware"),
     "kvpress-chunkkv-aware": ("kvpress", "ChunkKVPress", "aware"),
     "kvpress-pyramidkv-aware": ("kvpress", "PyramidKVPress", "aware"),
+    "kvpress-criticalkv-aware": ("kvpress", "CriticalKVPress", "aware"),
+    "kvpress-keydiff": ("kvpress", "KeyDiffPress", None),
 }
 EAGER_PRESSES = ("ObservedAttentionPress",)  # presses that read the attention weights
 MASKING_PRESSES = ("KVzipPress", "AdaKVPress")  # presses that mask evicted keys, freeing none
@@ -195,12 +200,13 @@ def _gen_kwargs(tok, refs, max_new):
 def _make_press(kvpress, cls: str, ratio: float, args):
     """kvpress's ``cls`` at ``ratio``; SnapKV's window and pool for SnapKVPress, the presses
     that wrap it (AdaKVPress: head-adaptive budgets with its 0.2 safeguard; ChunkKVPress: whole
-    20-token chunks) and PyramidKVPress (its layer budgets)."""
+    20-token chunks; CriticalKVPress: its two-stage value-norm weighting) and PyramidKVPress
+    (its layer budgets)."""
     snap = dict(compression_ratio=ratio, window_size=args.window,
                 kernel_size=args.kernel_size or common.KVPRESS_KERNEL)
     if cls == "SnapKVPress":
         return kvpress.SnapKVPress(**snap)
-    if cls in ("AdaKVPress", "ChunkKVPress"):
+    if cls in ("AdaKVPress", "ChunkKVPress", "CriticalKVPress"):
         return getattr(kvpress, cls)(press=kvpress.SnapKVPress(**snap))
     if cls == "PyramidKVPress":
         return kvpress.PyramidKVPress(**snap)

@@ -21,6 +21,10 @@ as ``eval_ruler.py`` settings on the same samples and token ids as its files, so
   whatever its vote (``stride32`` / ``stride64``: a uniform sample for word counting), or with
   the prompt's first 128 / 256 tokens kept (``prefix128`` / ``prefix256``: a wider sink, where
   a list's recitation starts);
+* ``sv-d-wq``: the default with the question as its observation window: the window is each
+  sample's question, all its tokens but the last (which starts the answer; 33-97 tokens)
+  instead of the last 32 prompt tokens (run with ``--window 100`` so every question's queries
+  are recorded);
 * ``sv-d-head`` / ``sv-d-global``: the default's votes with the budget shared over every
   (layer, KV head) / over the layers (budget scopes "head" / "global"); ``sv-d-head-f20``:
   "head" with AdaKV's safeguard, 20 % of each head's budget to its own best votes first;
@@ -382,6 +386,10 @@ SCOPED_VARIANTS = {
     "sv-d-head-f20": ("head", "snapkv_floor", {"floor": 0.2, "window": W}),
     "sv-d-global": ("global", "snapkv", {"window": W}),
 }
+# query-aware, the default with each sample's question as its window (_QUESTION: the question's
+# tokens but its last, set per sample by _run_sample)
+QUESTION_WINDOW = ("sv-d-wq",)
+_QUESTION = [0]
 # query-agnostic: kvzip's reconstruction maxima pooled before they are ranked (the library's
 # KVzip(kernel_size, pool_shift)); every variant shares the sample's one reconstruction
 KVZIP_VARIANTS = {
@@ -416,6 +424,8 @@ for _name, (_policy, _options) in VARIANTS.items():
 for _name, (_scope, _policy, _options) in SCOPED_VARIANTS.items():
     er.SETTINGS[_name] = ("aware", _policy, _scope)
     er.OPTIONS[_name] = _options
+for _name in QUESTION_WINDOW:
+    er.SETTINGS[_name] = ("aware", "snapkv", None)
 for _name, _kernel in (("kd-layer", 1), ("kd-layer-p7", 7)):
     er.SETTINGS[_name] = ("agnostic", "keydiff", "layer")
     er.OPTIONS[_name] = {"kernel_size": _kernel, "window": 0}
@@ -427,7 +437,10 @@ _kvzip_setting_policy = er._setting_policy
 
 
 def _setting_policy(setting: str, args):
-    """kvzip settings with a ``stride`` rank by KVzipStride (the sample's kvzip reconstruction)."""
+    """kvzip settings with a ``stride`` rank by KVzipStride (the sample's kvzip reconstruction);
+    the question-window settings vote with the running sample's question."""
+    if setting in QUESTION_WINDOW:
+        return kp.policy.make(_kvzip_setting_policy(setting, args), window=_QUESTION[0])
     options = KVZIP_VARIANTS.get(setting, (None, {}))[1]
     base = lambda: vars(_kvzip_setting_policy("kvzip-head", args))  # noqa: E731
     if "stride" in options:
@@ -460,6 +473,16 @@ def _scored(model, tok, ids, names, args, recorded_with=None):
 
 
 er._scored = _scored
+_plain_run_sample = er.run_sample
+
+
+def _run_sample(model, tok, ctx, qst, *rest, **options):
+    """eval_ruler's sample, its question's length (but the last token) in _QUESTION first."""
+    _QUESTION[0] = qst.shape[1] - 1
+    return _plain_run_sample(model, tok, ctx, qst, *rest, **options)
+
+
+er.run_sample = _run_sample
 for _name in ("snapkv-aware", "snapkv-aware-k15", "snapkv-aware-k31"):
     er.OPTIONS[_name] = {**er.OPTIONS.get(_name, {}), "window": W}
 

@@ -200,7 +200,8 @@ def test_quick_context_question_split_and_budgets(quick_run):
             new = res["new_tokens"]
             tl = res["tokens_per_layer"]
             press = er.SETTINGS[setting][1] if er.SETTINGS[setting][2] == "aware" else None
-            if kind in ("full", "aware") or press in ("SnapKVPress", "ObservedAttentionPress"):
+            if kind in ("full", "aware") or press in ("SnapKVPress", "ObservedAttentionPress",
+                                                      "CriticalKVPress"):
                 # the prompt but its last token, compressed once (kvpress-snapkv-aware: likewise)
                 kb = n_all - 1 if kind == "full" else kp.hf.resolve_budget(frac, n_all - 1)
                 assert res["budget_tokens"] == kb and held_ok(res, name, kb), name

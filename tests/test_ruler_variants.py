@@ -73,6 +73,23 @@ for h in range(2):
 # the scoped screens rank the default's votes under the scope they name
 assert [er.SETTINGS[s][::2] for s in ("sv-d-head", "sv-d-head-f20", "sv-d-global")] == \
     [("aware", "head"), ("aware", "head"), ("aware", "global")]
+# the question-window screen votes with each sample's question, all its tokens but the last
+import ruler_tasks as rt
+seen, compress = [], er.kp.hf.ScoredContext.compress
+
+
+def spy(self, *a, policy=None, **kw):
+    seen.append(policy.window)
+    return compress(self, *a, policy=policy, **kw)
+
+
+er.kp.hf.ScoredContext.compress = spy
+quick = er.parse(["--quick", "--window", "256", "--tasks", "niah_single_1", "vt", "--settings", "sv-d-wq"])
+tok = rt.CharTokenizer()
+samples = rt.make_samples(quick.tasks, quick.samples, tok, quick.tokens, rt.toy_novels(), quick.seed)
+er.run(er.tiny_model(), tok, samples, quick.settings, quick.budgets, quick, log=lambda *a: None)
+questions = [rt.prompt_ids(tok, s)[1].shape[1] - 1 for s in samples]
+assert seen == questions and len(set(questions)) == 2, (seen, questions)
 print("ok")
 """
 
