@@ -18,8 +18,20 @@ holding more than ``max_held`` tokens is compressed back to ``max_held`` (stream
 most recent; snapkv: voting by the last ``window`` queries; h2o: attention summed over every
 forward since the prompt). A token then sees at most ``max_held + interval`` entries.
 
+``--context``: compress once, then read on (the query-agnostic setting of
+``kp.hf.compress_context``): the first ``--prompt`` tokens are a context, scored once
+(``kp.hf.score_context``) and compressed to each budget (tokens per layer) under each policy
+with its defaults (``kvzip``: the library's, KVzip+ maxima, per-head budgets with a floor;
+``kvzip-plain``: plain maxima and no floor, the default before ``6b135ee``; ``snapkv``: the
+context's last ``window`` queries vote); the rest of the text is then
+read in one teacher-forced forward after it (``CompressedContext.forward``). The perplexity is
+over tokens ``[--prompt + 1, N)`` for every row, full included (the compressed context returns
+no logits for its own last token); "KV held": what the compressed context holds (``nbytes``).
+
     .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
     .venv/bin/python bench/eval_ppl.py --decode --policies streaming snapkv h2o --dtype float32
+    .venv/bin/python bench/eval_ppl.py --context --prompt 3072 --budgets 307 492 768 \
+        --policies kvzip kvzip-plain snapkv --dtype float32
 """
 
 from __future__ import annotations
@@ -65,6 +77,53 @@ def nll_bounded(model, ids, chunk, bar, first, skip, **options):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none"), held
 
 
+# --context: name -> (policy, its options: the library's defaults but what the name changes);
+# streaming and h2o hold fixed-capacity caches that cannot read a continuation in one forward
+CONTEXT_POLICIES = {"kvzip": ("kvzip", {}), "kvzip-plain": ("kvzip", {"weight": "none", "head_floor": 0.0}),
+                    "snapkv": ("snapkv", {})}
+
+
+def scoring_groups(policies) -> list:
+    """``policies`` split so that one context scoring records each group's evidence: a policy
+    joins the first group whose policy of the same evidence records it with the same options
+    (kvzip-plain's plain maxima need a scoring beside KVzip+'s)."""
+    groups: list = []
+    for p in policies:
+        for g in groups:
+            same = [o for o in g if o.evidence == p.evidence]
+            if all(getattr(o, f) == getattr(p, f) for o in same for f in p.recorded_with):
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    return groups
+
+
+@torch.no_grad()
+def nll_context(model, tok, ids, prompt, names, budgets, bar, n_sink, window) -> dict:
+    """{(name, budget): (per-token NLL of ``ids[:, prompt + 1:]``, bytes held)}: the first
+    ``prompt`` tokens compressed once per policy and budget (one ``kp.hf.score_context`` per
+    scoring group), then the rest read after them in one forward (``CompressedContext.forward``)."""
+    ctx, rest = ids[:, :prompt], ids[:, prompt:]
+    made = {n: kp.policy.make(CONTEXT_POLICIES[n][0], n_sink=n_sink,
+                              window=None if CONTEXT_POLICIES[n][0] == "kvzip" else window,
+                              **CONTEXT_POLICIES[n][1]) for n in names}
+    out = {}
+    for group in scoring_groups(list(made.values())):
+        ranked = [p for p in group if p.ranks] or ["full"]
+        sc = kp.hf.score_context(model, ctx, ranked, tokenizer=tok)
+        for name in [n for n, p in made.items() if any(p is g for g in group)]:
+            for b in budgets:
+                c = sc.compress(budget=b, policy=made[name])
+                logits = c.forward(rest).logits[0, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits, rest[0, 1:], reduction="none")
+                out[name, b] = (nll, c.nbytes)
+                bar.update(1)
+                del c
+        del sc
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -80,10 +139,22 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true",
                     help="the periodic decode-time rule (policies: streaming snapkv h2o; "
                          "budgets: max_held)")
-    ap.add_argument("--prompt", type=int, default=512, help="--decode: prompt tokens")
+    ap.add_argument("--context", action="store_true",
+                    help="compress the first --prompt tokens once, then read on (policies: "
+                         f"{' '.join(CONTEXT_POLICIES)}; budgets: tokens per layer)")
+    ap.add_argument("--prompt", type=int, default=512, help="--decode / --context: prompt tokens")
     ap.add_argument("--interval", type=int, default=64, help="--decode: tokens per forward")
     ap.add_argument("--out", type=Path, default=common.RESULTS / "ppl_results.json")
     args = ap.parse_args()
+    if args.context and args.decode:
+        ap.error("--context, --decode: one mode at a time")
+    if args.context:
+        unknown = [p for p in args.policies if p not in CONTEXT_POLICIES]
+        if unknown:
+            ap.error(f"--policies: {unknown} not among --context's {list(CONTEXT_POLICIES)}")
+        if not 0 < args.prompt < args.tokens - 1:
+            ap.error(f"--prompt {args.prompt}: needs 0 < prompt < --tokens - 1")
+        args.skip = args.prompt + 1  # the compressed context has no logits for its last token
 
     from tqdm import tqdm
 
@@ -96,7 +167,7 @@ def main() -> None:
     rows = []
     step = args.interval if args.decode else args.chunk
     first = args.prompt if args.decode else args.chunk
-    n_chunks = 1 + math.ceil((args.tokens - first) / step)
+    n_chunks = 1 if args.context else 1 + math.ceil((args.tokens - first) / step)
     total = args.texts * (1 + len(args.policies) * len(args.budgets) * n_chunks)
     bar = tqdm(total=total, desc="ppl", unit="fwd")
     for t in range(args.texts):
@@ -110,6 +181,16 @@ def main() -> None:
         full = {"text": t, "novel": name, "policy": "full", "budget": args.tokens,
                 "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": per_token * args.tokens}
         rows.append(full)
+        if args.context:
+            for (pol, b), (nll, held) in nll_context(model, tok, ids, args.prompt, args.policies,
+                                                     args.budgets, bar, args.n_sink,
+                                                     args.window).items():
+                rows.append({"text": t, "novel": name, "policy": f"context {pol}", "budget": b,
+                             "nll": float(nll.mean()), "kv_bytes": held})
+                tqdm.write(f"{name} context {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
+                           f"(full {math.exp(full['nll']):.3f})")
+            common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
+            continue
         for pol in args.policies:
             for b in args.budgets:
                 options = (dict(policy="full", decode=pol, max_held=b, interval=args.interval)

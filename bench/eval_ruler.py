@@ -373,6 +373,10 @@ def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_a
     t0 = time.perf_counter()
     kb = kp.hf.resolve_budget(frac, n_ctx)
     press = _make_press(kvpress, cls, 1.0 - (kb + 0.5) / n_ctx, args)
+    if cls == "CriticalKVPress" and getattr(model.config, "head_dim", None) is None:
+        # kvpress 0.5.5 reads config.head_dim, which Qwen2's config leaves out (its attention
+        # uses hidden_size / num_attention_heads then): the same value, set for the press
+        model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
     cache = DynamicCache()
     eager = cls in EAGER_PRESSES  # it reads the attention weights: eager attention, this prefill
     attn = model.config._attn_implementation

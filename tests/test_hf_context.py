@@ -512,6 +512,10 @@ def test_full_generate_equals_plain_generate(model, gen):
     ids_only = kvc.generate(qst, **{k: v for k, v in GEN.items()
                                     if k not in ("return_dict_in_generate", "output_logits")})
     assert torch.equal(ids_only, out.sequences)
+    # teacher-forced: the question's logits, as one forward over context and question gives them
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits[:, N:]
+    torch.testing.assert_close(kvc.forward(qst).logits, whole, rtol=1e-4, atol=1e-4)
 
 
 def _layer_state(kvc):
@@ -571,13 +575,16 @@ def test_head_budget_generate_equals_masked_full_cache(model, gen):
         keep.append(m)
     kvc = _compress(model, ctx, "kvzip", budget_scope="head", head_floor=0.0)  # no floor: the maxima as ranked
     out = kvc.generate(qst, **GEN)
-    want_logits, ids = [], qst
+    teacher_forced = kvc.forward(qst).logits
+    want_logits, question_logits, ids = [], [], qst
     with _masked_eager(model, keep), torch.no_grad():
         for t in range(qst.shape[1] + GEN["max_new_tokens"] - 1):
             pos = torch.full((2, 1), N + t)
             tok = ids[:, t:t + 1]
             lg = model(input_ids=tok, past_key_values=full, use_cache=True, position_ids=pos,
                        cache_position=pos[0]).logits[:, -1]
+            if t < qst.shape[1]:
+                question_logits.append(lg)
             if t >= qst.shape[1] - 1:
                 want_logits.append(lg)
                 if t + 1 >= ids.shape[1]:
@@ -585,6 +592,7 @@ def test_head_budget_generate_equals_masked_full_cache(model, gen):
     assert torch.equal(out.sequences, ids)
     for a, b in zip(out.logits, want_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(teacher_forced, torch.stack(question_logits, 1), rtol=1e-4, atol=1e-4)
     # the foil: the same count per head of a layer (kvzip-global) answers differently
     other = _compress(model, ctx, "kvzip", budget_scope="global").generate(qst, **GEN)
     assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-3)
@@ -635,9 +643,11 @@ def test_generate_leaves_the_context_unchanged(model, gen, policy):
     kvc = _compress(model, ctx, policy)
     before = _layer_state(kvc)
     first = kvc.generate(qst, **GEN)
+    scored = kvc.forward(qst).logits
     second = kvc.generate(qst, **GEN)
     assert torch.equal(first.sequences, second.sequences)
     assert all(torch.equal(a, b) for a, b in zip(first.logits, second.logits, strict=True))
+    assert torch.equal(kvc.forward(qst).logits, scored)
     after = _layer_state(kvc)
     for lay_before, lay_after in zip(before, after, strict=True):
         for (p, t), (p2, t2) in zip(lay_before, lay_after, strict=True):
@@ -664,12 +674,16 @@ def test_generate_equals_question_on_hand_built_cache(model, gen, policy):
         for i in range(N_LAYERS):  # streaming / h2o: what remains after making room for qst
             by_hand.update(*ref.gather_kv(*hf.cache_kv(full, i), idx[i] if policy == "kvzip"
                                           else attended[i]), i)
+        every = []
         with torch.no_grad():
             for t in range(qst.shape[1]):
                 pos = torch.tensor([[N + t]])
                 logits = model(input_ids=qst[:, t:t + 1], past_key_values=by_hand, use_cache=True,
                                position_ids=pos, cache_position=pos[0]).logits
+                every.append(logits[:, -1])
         torch.testing.assert_close(out.logits[0], logits[:, -1], rtol=1e-4, atol=1e-4)
+        # teacher-forced, one forward: every question token's logits as fed one at a time
+        torch.testing.assert_close(kvc.forward(qst).logits, torch.stack(every, 1), rtol=1e-4, atol=1e-4)
         assert int(out.sequences[0, 5]) == int(logits[0, -1].argmax())
         if policy in ("kvzip", "snapkv"):
             answer = _manual_decode(model, by_hand, logits, 8, N + 5)
@@ -864,6 +878,11 @@ def test_bad_arguments(model, gen):
     for bad in (_ids(gen, 2, 5), qst[0], qst[:, :0], qst.tolist()):
         with pytest.raises(ValueError, match="question_ids"):
             kvc.generate(bad, max_new_tokens=2)
+        with pytest.raises(ValueError, match="ids: expected"):
+            kvc.forward(bad)
+    for name in ("input_ids", "past_key_values", "attention_mask", "position_ids"):
+        with pytest.raises(ValueError, match=f"{name}: set by CompressedContext.forward"):
+            kvc.forward(qst, **{name: None})
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 

@@ -13,6 +13,7 @@ and reports what it holds: ``nbytes`` counts every tensor it keeps.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from typing import Optional, Sequence, Union
@@ -119,16 +120,8 @@ class CompressedContext:
         making room for the question and each new token; the other policies let the cache
         grow by the new tokens.
         """
-        for name in ("input_ids", "past_key_values", "cache", "attention_mask", "cache_position",
-                     "position_ids", "inputs_embeds"):
-            if name in generate_kwargs:
-                raise ValueError(f"{name}: set by CompressedContext.generate itself")
-        if not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2:
-            raise ValueError("question_ids: expected a [B, q] tensor of token ids")
+        q = self._continuation("question_ids", question_ids, "generate", generate_kwargs)
         b, n = self.context_ids.shape
-        if question_ids.shape[0] != b or question_ids.shape[1] < 1:
-            raise ValueError(f"question_ids: expected [{b}, q >= 1], got {list(question_ids.shape)}")
-        q = question_ids.to(self.context_ids.device)
         mask = torch.ones(b, n + q.shape[1], dtype=torch.long, device=q.device)
         params = inspect.signature(self.model.forward).parameters
         if "cache_position" in params:  # transformers < 5.2x: generate slices ids by cache_position
@@ -137,19 +130,51 @@ class CompressedContext:
         else:  # later: only the new ids, positions from the full-length attention mask
             ids, cut, extra = q, 0, {}
         extra[cache_name(self.model)] = self.cache()
-        comp = KVCompressor(self.model, self.policy, compress_on_prefill=False)
-        comp.restore(self._state)
-        comp.attach()
-        try:
-            with torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **extra,
-                                          **generate_kwargs)
-        finally:
-            comp.detach()
+        with self._attached(), torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **extra, **generate_kwargs)
         if isinstance(out, torch.Tensor):
             return out[:, cut:]
         out.sequences = out.sequences[:, cut:]
         return out
+
+    def forward(self, ids: torch.Tensor, **forward_kwargs):
+        """The model's output (``logits`` [B, q, vocab], ...) for ``ids`` [B, q] read after
+        the compressed context in one forward, teacher-forced: what the model predicts at each
+        of the continuation's tokens given what the context kept (e.g. a perplexity, or the
+        likelihood of candidate answers). Positions continue the context's, as in
+        :meth:`generate`; the compressed context is not modified. Streaming and h2o hold a
+        fixed-capacity cache: ``ids`` must fit the room beside its sinks (and h2o's recent
+        window), else a ValueError says how many tokens one forward can take."""
+        q = self._continuation("ids", ids, "forward", forward_kwargs)
+        with self._attached(), torch.no_grad():
+            return self.model(input_ids=q, use_cache=True, **{cache_name(self.model): self.cache()},
+                              **forward_kwargs)
+
+    def _continuation(self, arg: str, ids, method: str, kwargs: dict) -> torch.Tensor:
+        """``ids`` [B, q >= 1] on the context's device, checked (``arg``: its name), and none
+        of the arguments ``method`` sets itself among ``kwargs``."""
+        for name in ("input_ids", "past_key_values", "cache", "attention_mask", "cache_position",
+                     "position_ids", "inputs_embeds"):
+            if name in kwargs:
+                raise ValueError(f"{name}: set by CompressedContext.{method} itself")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"{arg}: expected a [B, q] tensor of token ids")
+        b = self.context_ids.shape[0]
+        if ids.shape[0] != b or ids.shape[1] < 1:
+            raise ValueError(f"{arg}: expected [{b}, q >= 1], got {list(ids.shape)}")
+        return ids.to(self.context_ids.device)
+
+    @contextlib.contextmanager
+    def _attached(self):
+        """The model's attention continuing this context: a compressor restored to the state
+        compression left (slot masks, positions), attached for the block."""
+        comp = KVCompressor(self.model, self.policy, compress_on_prefill=False)
+        comp.restore(self._state)
+        comp.attach()
+        try:
+            yield
+        finally:
+            comp.detach()
 
 
 def _check_recorded_with(policy: "policies.Policy", scored: Sequence["policies.Policy"]) -> None:
