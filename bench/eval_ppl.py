@@ -22,7 +22,8 @@ forward since the prompt). A token then sees at most ``max_held + interval`` ent
 ``kp.hf.compress_context``): the first ``--prompt`` tokens are a context, scored once
 (``kp.hf.score_context``) and compressed to each budget (tokens per layer) under each policy
 with its defaults (``kvzip``: the library's, KVzip+ maxima, per-head budgets with a floor;
-``kvzip-plain``: plain maxima and no floor, the default before ``6b135ee``; ``snapkv``: the
+``kvzip-plain``: plain maxima and no floor, the default before ``6b135ee``; ``kvzip-w32``: the
+default with the context's last 32 tokens always kept, as snapkv keeps its window; ``snapkv``: the
 context's last ``window`` queries vote); the rest of the text is then
 read in one teacher-forced forward after it (``CompressedContext.forward``). The perplexity is
 over tokens ``[--prompt + 1, N)`` for every row, full included (the compressed context returns
@@ -80,7 +81,7 @@ def nll_bounded(model, ids, chunk, bar, first, skip, **options):
 # --context: name -> (policy, its options: the library's defaults but what the name changes);
 # streaming and h2o hold fixed-capacity caches that cannot read a continuation in one forward
 CONTEXT_POLICIES = {"kvzip": ("kvzip", {}), "kvzip-plain": ("kvzip", {"weight": "none", "head_floor": 0.0}),
-                    "snapkv": ("snapkv", {})}
+                    "kvzip-w32": ("kvzip", {"window": 32}), "snapkv": ("snapkv", {})}
 
 
 def scoring_groups(policies) -> list:
@@ -106,8 +107,8 @@ def nll_context(model, tok, ids, prompt, names, budgets, bar, n_sink, window) ->
     scoring group), then the rest read after them in one forward (``CompressedContext.forward``)."""
     ctx, rest = ids[:, :prompt], ids[:, prompt:]
     made = {n: kp.policy.make(CONTEXT_POLICIES[n][0], n_sink=n_sink,
-                              window=None if CONTEXT_POLICIES[n][0] == "kvzip" else window,
-                              **CONTEXT_POLICIES[n][1]) for n in names}
+                              **{"window": None if CONTEXT_POLICIES[n][0] == "kvzip" else window,
+                                 **CONTEXT_POLICIES[n][1]}) for n in names}
     out = {}
     for group in scoring_groups(list(made.values())):
         ranked = [p for p in group if p.ranks] or ["full"]

@@ -32,6 +32,9 @@ def test_scoring_groups_split_only_what_is_recorded_otherwise():
     groups = eval_ppl.scoring_groups(made)
     assert [[p.name for p in g] for g in groups] == [["kvzip", "snapkv", "h2o"], ["kvzip"]]
     assert (groups[0][0].weight, groups[1][0].weight) == ("output", "none")
+    # a kept window does not shape the reconstruction maxima: the default's scoring serves it
+    windowed = kp.policy.make("kvzip", **eval_ppl.CONTEXT_POLICIES["kvzip-w32"][1])
+    assert windowed.window == 32 and eval_ppl.scoring_groups([made[0], windowed]) == [[made[0], windowed]]
 
 
 def test_context_nll_equals_the_plain_forward_when_everything_is_kept():
