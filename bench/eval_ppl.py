@@ -111,8 +111,7 @@ def nll_context(model, tok, ids, prompt, names, budgets, bar, n_sink, window) ->
                                  **CONTEXT_POLICIES[n][1]}) for n in names}
     out = {}
     for group in scoring_groups(list(made.values())):
-        ranked = [p for p in group if p.ranks] or ["full"]
-        sc = kp.hf.score_context(model, ctx, ranked, tokenizer=tok)
+        sc = kp.hf.score_context(model, ctx, group, tokenizer=tok)
         for name in [n for n, p in made.items() if any(p is g for g in group)]:
             for b in budgets:
                 c = sc.compress(budget=b, policy=made[name])
