@@ -40,9 +40,8 @@ as ``ruler_tasks.prompt_ids`` does):
   (head-adaptive budgets), ``ChunkKVPress`` (whole chunks), ``PyramidKVPress`` (layer budgets)
   and ``CriticalKVPress`` (SnapKV's scores weighted by each value's output norm). The scorer
   presses (SnapKV, StreamingLLM, ExpectedAttention, KeyDiff, CriticalKV) and ChunkKV / PyramidKV
-  prune the cache, so their
-  bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask evicted keys and free nothing
-  (their rows say "masked"; their tokens are the unmasked ones).
+  prune the cache, so their bytes are really freed; ``KVzipPress`` and ``AdaKVPress`` mask
+  evicted keys and free nothing (their rows say "masked"; their tokens are the unmasked ones).
 
 Recorded per (sample, setting, budget): the answer, RULER's score (fraction of the reference
 strings in the answer, case-insensitive), the KV bytes the cache holds (``ctx.nbytes`` of the
