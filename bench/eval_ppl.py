@@ -91,8 +91,7 @@ def scoring_groups(policies) -> list:
     groups: list = []
     for p in policies:
         for g in groups:
-            same = [o for o in g if o.evidence == p.evidence]
-            if all(getattr(o, f) == getattr(p, f) for o in same for f in p.recorded_with):
+            if all(p.evidence_mismatch(o) is None for o in g if o.evidence == p.evidence):
                 g.append(p)
                 break
         else:

@@ -130,3 +130,15 @@ def test_kvzip_novelty_reserves_a_share_of_the_budget_for_the_most_novel_keys():
     for bad in (True, "half"):  # a wrong type: a TypeError, as for every option
         with pytest.raises(TypeError, match="novelty"):
             kp.policy.KVzip(novelty=bad)
+
+
+def test_evidence_mismatch_names_what_keeps_a_policy_from_ranking_a_recording():
+    """Only an evidence kind or a recording option (kvzip's weight, h2o's gqa) stops a policy
+    from ranking what another recorded; a ranking option (window, head_floor) does not."""
+    kvzip, h2o, snapkv = (kp.policy.make(n) for n in ("kvzip", "h2o", "snapkv"))
+    assert kvzip.evidence_mismatch(kp.policy.make("kvzip", window=32, head_floor=0.5)) is None
+    assert kp.policy.make("kvzip", weight="none").evidence_mismatch(kvzip) == "weight"
+    assert kp.policy.make("kvzip", chunk_size=7, n_sink=1).evidence_mismatch(kvzip) == "chunk_size"
+    assert kp.policy.make("h2o", gqa="max").evidence_mismatch(h2o) == "gqa"
+    assert kvzip.evidence_mismatch(h2o) == "evidence" and h2o.evidence_mismatch(snapkv) == "evidence"
+    assert snapkv.evidence_mismatch(kp.policy.make("snapkv", kernel_size=7)) is None

@@ -182,12 +182,12 @@ def _check_recorded_with(policy: "policies.Policy", scored: Sequence["policies.P
     and context), so the options that shape that evidence
     (:attr:`~kvprune_cuda.policy.Policy.recorded_with`) must be its own."""
     recorder = next((p for p in scored if p.evidence == policy.evidence), None)
-    for f in policy.recorded_with if recorder is not None else ():
-        if getattr(recorder, f, None) != getattr(policy, f):
-            raise ValueError(f"policy: {f}={getattr(policy, f)!r}, but the context's "
-                             f"{recorder.name} evidence is recorded with "
-                             f"{f}={getattr(recorder, f, None)!r} (one per context); score "
-                             f"another context for this policy")
+    f = policy.evidence_mismatch(recorder) if recorder is not None else None
+    if f is not None:
+        raise ValueError(f"policy: {f}={getattr(policy, f)!r}, but the context's "
+                         f"{recorder.name} evidence is recorded with "
+                         f"{f}={getattr(recorder, f, None)!r} (one per context); score "
+                         f"another context for this policy")
 
 
 class ScoredContext:

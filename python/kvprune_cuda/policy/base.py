@@ -110,6 +110,15 @@ class Policy:
             return min(q_len, self.window)
         return q_len if self.evidence == "attention" else 0
 
+    def evidence_mismatch(self, recorder: "Policy") -> Optional[str]:
+        """Why this policy cannot rank the evidence ``recorder`` records: "evidence" when
+        their kinds differ, else the first of this policy's :attr:`recorded_with` fields
+        whose value differs from ``recorder``'s; None when it can."""
+        if recorder.evidence != self.evidence:
+            return "evidence"
+        return next((f for f in self.recorded_with
+                     if getattr(recorder, f, None) != getattr(self, f)), None)
+
     @property
     def ranks(self) -> bool:
         """Whether the policy has scores to rank (budget scopes "global" / "head")."""
