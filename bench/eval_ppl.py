@@ -28,6 +28,8 @@ context's last ``window`` queries vote); the rest of the text is then
 read in one teacher-forced forward after it (``CompressedContext.forward``). The perplexity is
 over tokens ``[--prompt + 1, N)`` for every row, full included (the compressed context returns
 no logits for its own last token); "KV held": what the compressed context holds (``nbytes``).
+Every row also records its NLL per run of 128 tokens of that range (``nll_buckets``: where in the
+text a policy costs).
 
     .venv/bin/python bench/eval_ppl.py --tokens 4096 --budgets 256 512 1024
     .venv/bin/python bench/eval_ppl.py --decode --policies streaming snapkv h2o --dtype float32
@@ -78,6 +80,8 @@ def nll_bounded(model, ids, chunk, bar, first, skip, **options):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none"), held
 
 
+BUCKET = 128  # every row also records its per-token NLL as means over runs of this many tokens
+
 # --context: name -> (policy, its options: the library's defaults but what the name changes);
 # streaming and h2o hold fixed-capacity caches that cannot read a continuation in one forward
 CONTEXT_POLICIES = {"kvzip": ("kvzip", {}), "kvzip-plain": ("kvzip", {"weight": "none", "head_floor": 0.0}),
@@ -97,6 +101,12 @@ def scoring_groups(policies) -> list:
         else:
             groups.append([p])
     return groups
+
+
+def bucket_means(nll: torch.Tensor, width: int) -> list:
+    """The mean of ``nll`` (per-token, fp32 [m]) over each run of ``width`` tokens (the last
+    run may be shorter): where in the text a policy costs."""
+    return [float(part.mean()) for part in nll.split(width)]
 
 
 @torch.no_grad()
@@ -178,14 +188,16 @@ def main() -> None:
         nll = nll_full(model, ids)
         bar.update(1)
         full = {"text": t, "novel": name, "policy": "full", "budget": args.tokens,
-                "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": per_token * args.tokens}
+                "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": per_token * args.tokens,
+                "nll_buckets": bucket_means(nll[args.skip - 1:], BUCKET)}
         rows.append(full)
         if args.context:
             for (pol, b), (nll, held) in nll_context(model, tok, ids, args.prompt, args.policies,
                                                      args.budgets, bar, args.n_sink,
                                                      args.window).items():
                 rows.append({"text": t, "novel": name, "policy": f"context {pol}", "budget": b,
-                             "nll": float(nll.mean()), "kv_bytes": held})
+                             "nll": float(nll.mean()), "kv_bytes": held,
+                             "nll_buckets": bucket_means(nll, BUCKET)})
                 tqdm.write(f"{name} context {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
             common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
@@ -198,7 +210,8 @@ def main() -> None:
                                         n_sink=args.n_sink, window=args.window, **options)
                 label = f"decode {pol}" if args.decode else pol
                 rows.append({"text": t, "novel": name, "policy": label, "budget": b,
-                             "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held})
+                             "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held,
+                             "nll_buckets": bucket_means(nll[args.skip - 1:], BUCKET)})
                 tqdm.write(f"{name} {label}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
         common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})

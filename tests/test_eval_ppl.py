@@ -55,3 +55,9 @@ def test_context_nll_equals_the_plain_forward_when_everything_is_kept():
         torch.testing.assert_close(nll, plain, rtol=1e-4, atol=1e-4)
         small, held_small = out[n, 40]
         assert held_small < held and not torch.allclose(small, plain, rtol=1e-3, atol=1e-3), n
+
+
+def test_bucket_means_are_the_means_of_consecutive_runs():
+    nll = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert eval_ppl.bucket_means(nll, 2) == [1.5, 3.5, 5.0]
+    assert eval_ppl.bucket_means(nll, 5) == [3.0]
