@@ -1,5 +1,5 @@
 """kp.policy.SnapKV's forward-shifted pool, by hand; the fused selection it takes only unshifted;
-kp.policy.KVzip's optional pool of its recorded maxima."""
+kp.policy.KVzip's optional pool of its recorded maxima; which recordings a policy can rank."""
 
 import pytest
 import torch
