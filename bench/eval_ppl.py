@@ -109,6 +109,12 @@ def bucket_means(nll: torch.Tensor, width: int) -> list:
     return [float(part.mean()) for part in nll.split(width)]
 
 
+def nll_fields(nll: torch.Tensor) -> dict:
+    """A row's NLL fields from its scored per-token NLL (fp32 [m]): the mean and the means per
+    run of ``BUCKET`` tokens."""
+    return {"nll": float(nll.mean()), "nll_buckets": bucket_means(nll, BUCKET)}
+
+
 @torch.no_grad()
 def nll_context(model, tok, ids, prompt, names, budgets, bar, n_sink, window) -> dict:
     """{(name, budget): (per-token NLL of ``ids[:, prompt + 1:]``, bytes held)}: the first
@@ -188,16 +194,14 @@ def main() -> None:
         nll = nll_full(model, ids)
         bar.update(1)
         full = {"text": t, "novel": name, "policy": "full", "budget": args.tokens,
-                "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": per_token * args.tokens,
-                "nll_buckets": bucket_means(nll[args.skip - 1:], BUCKET)}
+                **nll_fields(nll[args.skip - 1:]), "kv_bytes": per_token * args.tokens}
         rows.append(full)
         if args.context:
             for (pol, b), (nll, held) in nll_context(model, tok, ids, args.prompt, args.policies,
                                                      args.budgets, bar, args.n_sink,
                                                      args.window).items():
                 rows.append({"text": t, "novel": name, "policy": f"context {pol}", "budget": b,
-                             "nll": float(nll.mean()), "kv_bytes": held,
-                             "nll_buckets": bucket_means(nll, BUCKET)})
+                             **nll_fields(nll), "kv_bytes": held})
                 tqdm.write(f"{name} context {pol}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
             common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
@@ -210,8 +214,7 @@ def main() -> None:
                                         n_sink=args.n_sink, window=args.window, **options)
                 label = f"decode {pol}" if args.decode else pol
                 rows.append({"text": t, "novel": name, "policy": label, "budget": b,
-                             "nll": float(nll[args.skip - 1:].mean()), "kv_bytes": held,
-                             "nll_buckets": bucket_means(nll[args.skip - 1:], BUCKET)})
+                             **nll_fields(nll[args.skip - 1:]), "kv_bytes": held})
                 tqdm.write(f"{name} {label}@{b}: ppl {math.exp(rows[-1]['nll']):.3f} "
                            f"(full {math.exp(full['nll']):.3f})")
         common.write_json(args.out, {"args": common.args_dict(args), "rows": rows})
