@@ -8,7 +8,7 @@ Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
     .venv-vllm/bin/python bench/bench_vllm.py --decode snapkv --tokens 512 --gen 2048 \
         --max-held 256 512 1024 --out bench/results/vllm_decode.json   # long generations
 
-Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct, bf16; ~``--tokens``-token
+Every setting serves the same requests (Qwen2.5-Coder-0.5B-Instruct or ``--model``, bf16; ~``--tokens``-token
 prompts from Jane Austen with a 5-digit pass key at a random depth and the question at the
 end; greedy, ``--gen`` tokens each with EOS ignored, so each request holds its memory for a
 fixed number of decode steps) through a pool of ``--pool-requests`` dense requests' worth of
@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="model and KV dtype (float32: bf16 runs ~6x slower on CPUs without "
                          "AVX-512 BF16)")
+    common.add_model_arg(ap)
     ap.add_argument("--kv-cache-dtype", default="auto",
                     choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="vLLM's kv_cache_dtype for every setting (fp8 on the CPU backend needs "
@@ -246,7 +247,7 @@ def main() -> None:
     import kvprune_cuda as kp
 
     torch.set_num_threads(common.threads())
-    model_dir = str(common.model_dir())
+    model_dir = str(common.model_dir(args.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = make_requests(tok, args.requests, args.tokens, args.seed)
     settings = [("vllm", {})] if args.plain else []
@@ -260,7 +261,7 @@ def main() -> None:
         settings += [(f"snapkv {round(b * 100)} %", kp.vllm.engine_args("snapkv", b))
                      for b in args.budgets]
     results = [run_setting(name, kw, model_dir, reqs, args) for name, kw in settings]
-    meta = {**common.run_meta(), "vllm": vllm.__version__,
+    meta = {**common.run_meta(), "vllm": vllm.__version__, "model": args.model,
             "n": len(reqs), "prompt_tokens": round(sum(len(p) for p, _ in reqs) / len(reqs)),
             "gen": args.gen, "pool_requests": args.pool_requests, "dtype": args.dtype,
             "kv_cache_dtype": args.kv_cache_dtype,

@@ -8,9 +8,10 @@
   ``cpu_peak_extra_bytes`` (peak extra RSS of one call, run it in a fresh process),
   ``cuda_peak_extra_bytes`` (caching allocator statistics);
 * the real-model evaluations (eval_passkey.py, eval_ppl.py, eval_context.py, bench_vllm.py):
-  ``load_model``, ``load_novels``, ``threads``, the pass-key prompts (``build_prompt``,
-  ``build_haystack``) and the HF cache plumbing (``attention_modules``, ``Recorder``,
-  ``cache_from``, ``layers_of``, ``apply_press``, ``stop_at_key``, ``add_trial_args``).
+  ``load_model`` (by name: ``add_model_arg`` gives a script ``--model``, the 0.5B by default),
+  ``load_novels``, ``threads``, the pass-key prompts (``build_prompt``, ``build_haystack``) and
+  the HF cache plumbing (``attention_modules``, ``Recorder``, ``cache_from``, ``layers_of``,
+  ``apply_press``, ``stop_at_key``, ``add_trial_args``).
 
 Model and text come from the project's fetch scripts (``scripts/fetch_model.py``,
 ``scripts/fetch_text.py``), cached under ``.cache/`` -- nothing is downloaded by hand.
@@ -330,28 +331,41 @@ def cpu_peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, int, str]:
 
 
 def _fetch(name: str):
-    """scripts/fetch_model.py or scripts/fetch_text.py, imported on first use."""
+    """scripts/fetch_model.py or scripts/fetch_text.py, imported as modules."""
     if str(ROOT / "scripts") not in sys.path:
         sys.path.insert(0, str(ROOT / "scripts"))
     return __import__(name)
 
 
-def model_dir() -> Path:
-    """The cached HF copy of Qwen2.5-Coder-0.5B-Instruct (fetched and converted if needed)."""
-    fetch_model = _fetch("fetch_model")
-    gguf = fetch_model.fetch_gguf(fetch_model.CACHE)
-    return fetch_model.convert_to_hf(gguf, fetch_model.CACHE)
+_models = _fetch("fetch_model")
+DEFAULT_MODEL = _models.DEFAULT  # the 0.5B: a result that names no model is its
+MODEL_NAMES = list(_models.MODELS)
 
 
-def load_model(dtype: str = "bfloat16"):
-    """(model, tokenizer) of the cached HF copy of Qwen2.5-Coder-0.5B-Instruct (fetches it if needed)."""
+def add_model_arg(ap: argparse.ArgumentParser, **kwargs) -> None:
+    """``--model NAME``: a model of scripts/fetch_model.py's table, the 0.5B unless given (an
+    unknown name is refused, the known ones listed); ``kwargs`` replace ``default`` / ``help``."""
+    opts = {"default": DEFAULT_MODEL, "help": f"model (default {DEFAULT_MODEL})"}
+    ap.add_argument("--model", choices=MODEL_NAMES, **{**opts, **kwargs})
+
+
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The cached HF copy of model ``name`` (fetched and converted if needed)."""
+    model = _models.spec(name)
+    gguf = _models.fetch_gguf(model, _models.CACHE)
+    return _models.convert_to_hf(model, gguf, _models.CACHE)
+
+
+def load_model(dtype: str = "bfloat16", model: str = DEFAULT_MODEL):
+    """(model, tokenizer) of the cached HF copy of the model named ``model`` (fetches it if
+    needed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = model_dir()
+    path = model_dir(model)
     tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                 attn_implementation="sdpa").eval()
-    return model, tok
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                              attn_implementation="sdpa").eval()
+    return hf, tok
 
 
 def load_novels() -> dict[str, str]:
@@ -500,3 +514,4 @@ def add_trial_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-kvpress", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
+    add_model_arg(ap)

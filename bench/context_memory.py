@@ -1,7 +1,8 @@
 """What a compressed context reports holding against what it holds, and what compressing costs.
 
 For each policy and budget scope, ``kp.hf.compress_context`` on a real model and text (a
-``--tokens``-token excerpt of a novel, Qwen2.5-Coder-0.5B-Instruct from scripts/fetch_model.py):
+``--tokens``-token excerpt of a novel, Qwen2.5-Coder-0.5B-Instruct from scripts/fetch_model.py or
+the ``--model`` named):
 ``ctx.nbytes`` (reported), ``kp.hf.memory.reachable_bytes(ctx)`` (every tensor storage the
 object keeps alive, found by walking it), the dense K/V of the same context, the prefill and
 compression seconds and the process's peak resident memory during the call above what it held
@@ -44,10 +45,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--dtype", default="bfloat16")
+    common.add_model_arg(ap)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "context" / "memory.json")
     args = ap.parse_args()
     torch.set_num_threads(common.threads())
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     ctx = excerpt(tok, common.load_novels()[args.novel], args.tokens)
     dense = kp.hf.compress_context(model, ctx, "full", 1.0)
     rows = [{"policy": "dense K/V", "scope": "", "reported": kp.hf.kv_bytes(dense.cache()),

@@ -31,6 +31,8 @@ setting where SnapKV's voting window holds no question. Three parts:
 
     MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/python bench/eval_context.py --tokens 4096 --trials-per-depth 4
 
+(``--model``: another of scripts/fetch_model.py's models; ``--table`` refuses files of two.)
+
 (kvpress's KVzipPress peaks near 20 GB at 4k tokens here; the malloc setting returns freed
 buffers to the system at once, so trials do not pile up on a 24 GB machine.)
 """
@@ -316,7 +318,10 @@ def merge(parts: list) -> dict:
     for i, r in enumerate(data["records"]):
         r.setdefault("trial", i)
     by_trial = {r["trial"]: r for r in data["records"]}
+    model = data["args"].get("model", common.DEFAULT_MODEL)  # files without one: the 0.5B's
     for other in parts[1:]:
+        if other["args"].get("model", common.DEFAULT_MODEL) != model:
+            raise ValueError("--table: the files hold results of different models")
         for i, o in enumerate(other["records"]):
             r = by_trial.get(o.get("trial", i))
             if r is None or r["key"] != o["key"]:
@@ -424,7 +429,7 @@ def main() -> None:
     from tqdm import tqdm
 
     torch.set_num_threads(common.threads())
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     novels = common.load_novels()
     kvz = None
     if not args.no_kvpress:

@@ -3,7 +3,7 @@
 text it wrote has left the cache? (issue 39, item 5)
 
 Each prompt is ``--tokens`` tokens of a Jane Austen novel (``eval_vllm_continuation``'s
-prompts: random offsets, seeded). The model (Qwen2.5-Coder-0.5B-Instruct, fp32) samples
+prompts: random offsets, seeded). The model (Qwen2.5-Coder-0.5B-Instruct or ``--model``, fp32) samples
 ``--gen`` tokens with vLLM's default sampling (temperature 1, no top-p / top-k; EOS ignored),
 once with the full cache and once per decode-time rule and ``--max-held``
 (``kp.hf.compress(model, "full", decode=POLICY, max_held=M, interval=--interval)``, the rule
@@ -104,12 +104,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-held", type=int, nargs="+", default=[256])
     ap.add_argument("--interval", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
+    common.add_model_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "free_generation.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or common.threads())
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     prompts = make_prompts(tok, args.prompts, args.tokens, args.seed)
     settings = [("full", None, min(args.max_held))]
     settings += [(p, p, m) for p in args.policies for m in args.max_held]

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Passkey retrieval with a real model (Qwen2.5-Coder-0.5B-Instruct) on real text (Jane Austen).
 
+(``--model``: another of scripts/fetch_model.py's models; the result file's args name it.)
+
 A random 5-digit key ("The pass key is 71432. Remember it. 71432 is the pass key.") is hidden
 at a depth (10 %..90 %) of N tokens of novel text; the question comes at the end. Each trial is
 scored under every policy x budget, in two settings, on the same token ids:
@@ -117,7 +119,7 @@ def main() -> None:
     from tqdm import tqdm
 
     torch.set_num_threads(common.threads())
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     novels = common.load_novels()
     presses = {}
     if not args.no_kvpress:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Perplexity on long real text (Jane Austen) with a full cache vs a bounded one.
 
-The model (Qwen2.5-Coder-0.5B-Instruct) reads N tokens of a novel. "full" is one forward over
+The model (Qwen2.5-Coder-0.5B-Instruct, or ``--model``) reads N tokens of a novel. "full" is one forward over
 all N tokens. The bounded policies read the text in chunks of ``--chunk`` tokens under
 ``kp.hf.compress``: after each chunk every layer is cut back to the budget (``streaming``:
 the ``n_sink`` sinks + the most recent tokens, as StreamingLLM; ``h2o``: sinks + recent window
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bf16: AMX on the CPU)")
+    common.add_model_arg(ap)
     ap.add_argument("--decode", action="store_true",
                     help="the periodic decode-time rule (policies: streaming snapkv h2o; "
                          "budgets: max_held)")
@@ -174,7 +175,7 @@ def main() -> None:
     from tqdm import tqdm
 
     torch.set_num_threads(common.threads())
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     novels = common.load_novels()
     rng = random.Random(args.seed)
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \

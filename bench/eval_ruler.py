@@ -57,12 +57,18 @@ in the answer (the score can no longer change).
     .venv/bin/python bench/eval_ruler.py --tokens 4096 --samples 5 --out bench/results/ruler_4k.json
     .venv/bin/python bench/eval_ruler.py --table bench/results/ruler_4k.json --plot bench/results/ruler_4k/plot.png
     .venv/bin/python bench/eval_ruler.py --quick      # tiny random model, no download (CI)
+    .venv/bin/python bench/eval_ruler.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 --out ...
 
 ``--table`` also prints a task-family table (each family the mean of its tasks' means) and, per
 family and query mode, our best setting against kvpress's best press of the same mode on the
 samples that press ran. With ``--configs A B`` the tables hold only full, A and B, on the samples
 all of them ran; with ``--rows A B`` only full, A and B, each on every sample it ran. ``--threads``
 (default 1) sets torch's threads: the 2-core machine is shared.
+
+``--model`` picks the model (``scripts/fetch_model.py``'s table; default the 0.5B). Every record
+names its model (a record without one, written before there was a choice, is the 0.5B's;
+``--quick``'s are ``tiny-random``): ``--skip-done`` skips only the same model's results, and
+``--table`` tables one model, the files' only one or ``--model``'s.
 """
 
 from __future__ import annotations
@@ -420,16 +426,17 @@ def configs(settings, budgets):
 
 def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optional[Path] = None,
         log=print, done: frozenset = frozenset()) -> dict:
-    """Every (setting, budget) on every sample but those in ``done`` ((task, index, seed,
-    tokens, config name) of earlier files: :func:`done_configs`); returns (and writes to
+    """Every (setting, budget) on every sample but those in ``done`` ((model, task, index,
+    seed, tokens, config name) of earlier files: :func:`done_configs`); returns (and writes to
     ``out`` after each sample) the result data."""
     data = {"meta": common.run_meta(), "args": common.args_dict(args), "settings": list(settings),
             "budgets": list(budgets), "records": [], "skipped": {}}
     t_run = time.perf_counter()
     for s in samples:
         ctx, qst = rt.prompt_ids(tok, s)
-        rec = {"task": s.task, "index": s.index, "seed": args.seed, "tokens": args.tokens,
-               "context_tokens": ctx.shape[1], "question_tokens": qst.shape[1], "refs": s.refs,
+        rec = {"model": args.model, "task": s.task, "index": s.index, "seed": args.seed,
+               "tokens": args.tokens, "context_tokens": ctx.shape[1],
+               "question_tokens": qst.shape[1], "refs": s.refs,
                "meta": {k: v for k, v in s.meta.items() if k != "needles"}, "results": {}}
         max_new = args.max_new_tokens or rt.MAX_NEW_TOKENS.get(s.task, 128)
         cfgs = []
@@ -438,7 +445,8 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
                 data["skipped"][setting] = "kvpress not importable"
             elif setting == "kvpress-kvzip" and not _has_hub_tokenizer(model):
                 data["skipped"][setting] = "KVzipPress loads the tokenizer of model.config.name_or_path"
-            elif (s.task, s.index, args.seed, args.tokens, config_name(setting, frac)) not in done:
+            elif (args.model, s.task, s.index, args.seed, args.tokens,
+                  config_name(setting, frac)) not in done:
                 cfgs.append((setting, frac))
         if not cfgs:
             continue
@@ -455,9 +463,14 @@ def run(model, tok, samples, settings, budgets, args, kvpress=None, out: Optiona
     return data
 
 
+def record_model(r: dict) -> str:
+    """The model of a record: one written before records named theirs is the 0.5B's."""
+    return r.get("model", common.DEFAULT_MODEL)
+
+
 def done_configs(files) -> frozenset:
-    """(task, index, seed, tokens, config name) of every result in the given --out files."""
-    return frozenset((r["task"], r["index"], r.get("seed"), r.get("tokens"), name)
+    """(model, task, index, seed, tokens, config name) of every result in the given --out files."""
+    return frozenset((record_model(r), r["task"], r["index"], r.get("seed"), r.get("tokens"), name)
                      for f in files for r in json.loads(Path(f).read_text())["records"]
                      for name in r["results"])
 
@@ -472,14 +485,14 @@ def _has_hub_tokenizer(model) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 def merge(parts: list) -> dict:
-    """Records of several files on the same samples (same task, index, refs): later files add
-    or replace configs."""
+    """Records of several files on the same samples (same model, task, index, refs): later
+    files add or replace configs."""
     data = {"meta": parts[0].get("meta"), "records": [], "merged": []}
     by_key: dict = {}
     for p in parts:
         data["merged"].append({"meta": p.get("meta"), "wall_seconds": p.get("wall_seconds")})
         for r in p["records"]:
-            key = (r["task"], r["index"], r.get("seed"), r.get("tokens"))
+            key = (record_model(r), r["task"], r["index"], r.get("seed"), r.get("tokens"))
             old = by_key.get(key)
             if old is None:
                 by_key[key] = {**r, "results": dict(r["results"])}
@@ -489,6 +502,19 @@ def merge(parts: list) -> dict:
                     raise ValueError(f"--table: {key}: the files hold different samples")
                 old["results"].update(r["results"])
     return data
+
+
+def of_model(data: dict, name: Optional[str]) -> dict:
+    """``data`` with only the records of model ``name`` (None: the one model of its records;
+    records of several need a name)."""
+    models = sorted({record_model(r) for r in data["records"]})
+    if name is None and len(models) > 1:
+        raise SystemExit(f"--table: the files hold records of {', '.join(models)}: "
+                         "pick one with --model")
+    name = name or (models[0] if models else common.DEFAULT_MODEL)
+    if models and name not in models:
+        raise SystemExit(f"--table: the files hold no records of {name} (only of {', '.join(models)})")
+    return {**data, "model": name, "records": [r for r in data["records"] if record_model(r) == name]}
 
 
 def only_configs(data: dict, names: list) -> dict:
@@ -855,6 +881,7 @@ def plot(data, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 QUICK = {"tokens": 900, "samples": 1, "budgets": [0.5], "max_new_tokens": 6}
+QUICK_MODEL = "tiny-random"  # the model --quick's records name
 
 
 def parse(argv=None):
@@ -877,6 +904,8 @@ def parse(argv=None):
     ap.add_argument("--chunk-size", type=int, default=2048, help="kvzip's reconstruction chunk (ours and KVzipPress)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
+    common.add_model_arg(ap, default=None, help=f"model (default {common.DEFAULT_MODEL}; with "
+                         "--table: the files' only one)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random model + character tokenizer + toy text (no download): "
@@ -903,13 +932,19 @@ def parse(argv=None):
                 setattr(args, k, v)
         if "dtype" not in given:
             args.dtype = "float32"
+        if "model" in given:
+            ap.error("--quick runs its tiny random model: leave --model out")
+        args.model = QUICK_MODEL
+    elif not args.table:
+        args.model = args.model or common.DEFAULT_MODEL
     return args
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
     if args.table:
-        data = merge([json.loads(Path(f).read_text()) for f in args.table])
+        data = of_model(merge([json.loads(Path(f).read_text()) for f in args.table]), args.model)
+        print(f"model: {data['model']}")
         if args.configs:
             data = same_samples(data, args.configs)
         if args.rows:
@@ -931,7 +966,7 @@ def main(argv=None) -> dict:
         if args.quick:
             model, tok, novels = tiny_model().to(getattr(torch, args.dtype)), rt.CharTokenizer(), rt.toy_novels()
         else:
-            model, tok = common.load_model(args.dtype)
+            model, tok = common.load_model(args.dtype, args.model)
             novels = common.load_novels()
         kvpress = None
         if any(SETTINGS[s][0] == "kvpress" for s in args.settings):

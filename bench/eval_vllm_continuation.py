@@ -6,7 +6,7 @@ Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
     .venv-vllm/bin/python bench/eval_vllm_continuation.py      # table + bench/results/vllm_continuation.json
 
 Each prompt is ``--tokens`` tokens of a Jane Austen novel (random offsets, seeded; plain text,
-no chat template); vLLM (its defaults, fp32, Qwen2.5-Coder-0.5B-Instruct) continues it
+no chat template); vLLM (its defaults, fp32, Qwen2.5-Coder-0.5B-Instruct or ``--model``) continues it
 greedily (or sampled at ``--temperature``, prompt i from seed ``--seed + i`` in every setting)
 for ``--gen`` tokens with EOS ignored, once with the full cache
 (``kp.vllm.engine_args("full")``) and once per decode-time rule and ``--max-held``
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--max-held", type=int, nargs="+", default=[512])
     ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    common.add_model_arg(ap)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (the default); > 0: sampled, no top-p / top-k")
     ap.add_argument("--seed", type=int, default=0)
@@ -120,7 +121,7 @@ def main() -> None:
     import kvprune_cuda as kp
 
     torch.set_num_threads(common.threads())
-    model_dir = str(common.model_dir())
+    model_dir = str(common.model_dir(args.model))
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts, args.tokens,
                            args.seed)
     full = generate(model_dir, prompts, kp.vllm.engine_args("full"), args)
@@ -135,7 +136,8 @@ def main() -> None:
                          "agreement": [agreement(g, f) for g, f in zip(got, full)],
                          "repeated": [repeated_ngrams(g) for g in got], "tokens": got})
             print(rows[-1]["setting"], rows[-1]["agreement"], flush=True)
-    meta = {**common.run_meta(), "vllm": vllm.__version__, "prompts": args.prompts,
+    meta = {**common.run_meta(), "vllm": vllm.__version__, "model": args.model,
+            "prompts": args.prompts,
             "tokens": args.tokens, "gen": args.gen, "interval": args.interval,
             "dtype": args.dtype, "temperature": args.temperature}
     print(table(rows, meta))

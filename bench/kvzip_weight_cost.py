@@ -5,7 +5,8 @@ library's own clocks (``prefill_seconds``: the context's forward; ``score_second
 reconstruction forwards and their scoring). The weights run in ``window_scores``'s kernels
 (``query_weight`` / ``key_weight``); the value output norms are torch operations.
 
-Prints the median of each and the ratios output / none; ``--out`` writes the runs as JSON::
+Prints the median of each and the ratios output / none; ``--out`` writes the runs as JSON
+(``--model``: a model of scripts/fetch_model.py, default the 0.5B)::
 
     .venv/bin/python bench/kvzip_weight_cost.py --tokens 4096 --repeats 2 --dtype float32 \\
         --out bench/results/context/kvzip_weight_cost.json
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="context length (tokens)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per weighting, interleaved")
     ap.add_argument("--dtype", default="float32")
+    common.add_model_arg(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -42,7 +44,7 @@ def main() -> None:
         ap.error("--repeats must be >= 1 and --tokens >= 64")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = common.load_model(args.dtype)
+    model, tok = common.load_model(args.dtype, args.model)
     ctx, _, novel = common.build_prompt(tok, common.load_novels(), args.tokens, 0.5, 12345,
                                         random.Random(args.seed))
     runs = []

@@ -15,6 +15,8 @@ what the cache holds, whatever produced them.
     .venv/bin/python bench/ruler_probe.py --tokens 4096 --samples 3 --out bench/results/ruler_probe.json
     .venv/bin/python bench/ruler_probe.py --table bench/results/ruler_probe.json
 
+(``--model``: a model of scripts/fetch_model.py, default the 0.5B; the file's args name it.)
+
 Read the table as: "value all" is the fraction of (layer, head) pairs that kept every value
 token of the asked needle; a wrong answer with "value all" near 1 means the needle was kept
 and the model still failed; near 0 means it was dropped (its score lost to others, or its
@@ -251,6 +253,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    common.add_model_arg(ap)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "ruler_probe.json")
     ap.add_argument("--table", type=Path, default=None, help="only print the table of an --out file")
     args = ap.parse_args(argv)
@@ -258,7 +261,7 @@ def main(argv=None) -> None:
         print(table(json.loads(args.table.read_text())))
         return
     torch.set_num_threads(args.threads)
-    model, tok = common.load_model("float32")
+    model, tok = common.load_model("float32", args.model)
     vs = variants(args)
     samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, common.load_novels(), args.seed)
     data = {"meta": common.run_meta(), "args": common.args_dict(args), "records": []}

@@ -18,6 +18,8 @@ reports for the policies (kvzip-head at 16 % on niah_multivalue: 0.17 and 0.10).
 
     .venv/bin/python bench/ruler_signals.py --samples 3 --tasks niah_multivalue niah_multiquery niah_multikey_2 \\
         --out bench/results/ruler_4k/signals.json
+
+(``--model``: a model of scripts/fetch_model.py, default the 0.5B; the file's args name it.)
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=float, default=0.16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    common.add_model_arg(ap)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "ruler_signals.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = common.load_model("float32")
+    model, tok = common.load_model("float32", args.model)
     samples = rt.make_samples(args.tasks, args.samples, tok, args.tokens, common.load_novels(), args.seed)
     data = {"meta": common.run_meta(), "args": common.args_dict(args), "records": []}
     for s in samples:

