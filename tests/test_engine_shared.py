@@ -42,3 +42,31 @@ def test_kept_indices_are_the_sinks_the_window_and_the_top_scores():
     assert kept_indices(p, q, keys, 7).tolist() == [[[0, 1, 10, 26, 27, 28, 29]]]
     with pytest.raises(ValueError, match="queries"):
         kept_indices(p, q[:, :, :2], keys, 7)
+
+
+def test_kept_indices_of_the_default_policy_come_from_the_fused_select(monkeypatch):
+    """The default snapkv (49-wide pool shifted by 16) selects with one kp.snapkv_select call
+    (what kp.vllm compacts by), keeping what its staged score ranks; a subclass that overrides
+    ``score`` is ranked staged."""
+    from kvprune_cuda.policy import snapkv as snapkv_module
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(kwargs["pool_shift"])
+        return kp.snapkv_select(*args, **kwargs)
+
+    monkeypatch.setattr(snapkv_module, "snapkv_select", fused)
+    q, keys = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 300, 16)
+    p = kp.policy.SnapKV(budget=60)
+    idx = kept_indices(p, q, keys, 60, scale=0.3)
+    assert calls == [16]
+    staged = kp.select_keep(p.score(q[:, :, -32:], keys, scale=0.3), 60, n_sink=4, window=32)
+    assert torch.equal(idx, staged)
+
+    class Recent(kp.policy.SnapKV):
+        def score(self, queries, keys, *, scale=None, seq_lens=None):
+            return torch.arange(keys.shape[2], dtype=torch.float32).repeat(*keys.shape[:2], 1)
+
+    assert Recent(budget=60).select_indices(q, keys, 60) is None
+    assert kept_indices(Recent(budget=60), q, keys, 60)[0, 0, 4:].tolist() == list(range(244, 300))
+    assert calls == [16]

@@ -248,10 +248,10 @@ SNAP = dict(n_sink=2, window=8, kernel_size=5, pool="avg", gqa="max")
 BUDGET = 24
 
 
-@pytest.mark.parametrize("scale_kind", ["none", "per_head"])
+@pytest.mark.parametrize("scale_kind,shift", [("none", 0), ("per_head", 0), ("per_head", 2)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("fmt", FP8, ids=fp8_id)
-def test_snapkv(fmt, dtype, scale_kind, device, gen):
+def test_snapkv(fmt, dtype, scale_kind, shift, device, gen):
     """Selection from the dequantised cache (tie-tolerant vs float64), kept K/V the cache's
     bytes; out_k/out_v (strided views into NaN-byte buffers) give the same."""
     lens = (90, 20, 0, 61)
@@ -262,20 +262,23 @@ def test_snapkv(fmt, dtype, scale_kind, device, gen):
     real_k = dequantised(k, k_scale)
     lse = lse_f64(q, real_k, seq_lens=seq_lens)
     scores = ref.window_scores(q, real_k, lse=lse, gqa="max", seq_lens=seq_lens)
-    pooled = ref.pool_scores(scores, 5, "avg", window=8, seq_lens=seq_lens)
+    pooled = ref.pool_scores(scores, 5, "avg", window=8, seq_lens=seq_lens, shift=shift)
     poison_beyond(k, lens)
-    kept = kp.snapkv(q, k, v, BUDGET, lse=lse, seq_lens=seq_lens, k_scale=k_scale, **SNAP)
+    kept = kp.snapkv(q, k, v, BUDGET, lse=lse, seq_lens=seq_lens, k_scale=k_scale,
+                     pool_shift=shift, **SNAP)
     assert kept.k.dtype == kept.v.dtype == fmt
     # Op and reference scores differ by <= tol * row max: ranks may swap within twice that.
     atol = 2 * score_tol(device, dtype) * scores.double().abs().amax(dim=-1)
     check_selection(kept.idx, pooled, BUDGET, n_sink=2, window=8, seq_lens=seq_lens, atol=atol)
     assert_gathered(k.view(U8), v.view(U8), kept.idx, kept.k.view(U8), kept.v.view(U8))
+    assert torch.equal(kp.snapkv_select(q, k, BUDGET, lse=lse, seq_lens=seq_lens,
+                                        k_scale=k_scale, pool_shift=shift, **SNAP), kept.idx)
 
     bigs = [torch.full((len(lens), BUDGET + 2, HKV, 64), 0x7F, dtype=U8, device=device).view(fmt)
             for _ in range(2)]
     out_k, out_v = (big[:, 1 : BUDGET + 1].transpose(1, 2) for big in bigs)
     again = kp.snapkv(q, k, v, BUDGET, lse=lse, seq_lens=seq_lens, k_scale=k_scale,
-                      out_k=out_k, out_v=out_v, **SNAP)
+                      out_k=out_k, out_v=out_v, pool_shift=shift, **SNAP)
     assert again.k is out_k and again.v is out_v and torch.equal(again.idx, kept.idx)
     assert torch.equal(out_k.view(U8), kept.k.view(U8))
     assert torch.equal(out_v.view(U8), kept.v.view(U8))
@@ -404,23 +407,25 @@ def test_paged_compact_copies_bytes(layout, pool_kind, fmt, dim, kind, device, g
 
 
 @pytest.mark.parametrize("fmt", FP8, ids=fp8_id)
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_paged_snapkv(layout, fmt, device, gen):
+@pytest.mark.parametrize("layout,shift", [("NHD", 0), ("HND", 0), ("HND", 2)])
+def test_paged_snapkv(layout, shift, fmt, device, gen):
     """Same kept positions as dense snapkv on the same fp8 tokens (and tie-tolerantly the
-    float64 selection); the pool is compacted byte for byte as reference.paged_compact."""
+    float64 selection), unshifted and shifted pools; the pool is compacted byte for byte as
+    reference.paged_compact."""
     lens = ragged_lens(16)
     pool, table = fp8_pool(layout, "contig", lens, 16, 64, fmt, gen, device)
     seq_lens, k_scale = int32(lens, device), k_scale_of("per_head", device)
     q = randn_tokens(len(lens), 2 * HKV, WINDOW, 64, dtype=torch.bfloat16, device=device, gen=gen)
     dense_k, dense_v = (ref.paged_to_dense(c, table, seq_lens, layout).to(device)
                         for c in (pool.k, pool.v))
-    exp_idx = kp.snapkv(q, dense_k, dense_v, 20, seq_lens=seq_lens, k_scale=k_scale, **SNAP).idx
+    exp_idx = kp.snapkv(q, dense_k, dense_v, 20, seq_lens=seq_lens, k_scale=k_scale,
+                        pool_shift=shift, **SNAP).idx
     expected = as_bytes(pool)
     idx, new_lens = kp.paged.snapkv(q, pool.k, pool.v, table.to(device), seq_lens, 20,
-                                    layout=layout, k_scale=k_scale, **SNAP)
+                                    layout=layout, k_scale=k_scale, pool_shift=shift, **SNAP)
     assert torch.equal(idx.cpu(), exp_idx.cpu())
     scores = ref.window_scores(q, dequantised(dense_k, k_scale), gqa="max", seq_lens=seq_lens)
-    pooled = ref.pool_scores(scores, 5, "avg", window=8, seq_lens=seq_lens)
+    pooled = ref.pool_scores(scores, 5, "avg", window=8, seq_lens=seq_lens, shift=shift)
     atol = 2 * score_tol(device, torch.bfloat16) * scores.double().abs().amax(dim=-1)
     check_selection(idx, pooled, 20, n_sink=2, window=8, seq_lens=seq_lens, atol=atol)
     exp_lens = ref.paged_compact(expected.k, expected.v, table, int32(lens), idx.cpu(), layout)

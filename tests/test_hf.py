@@ -129,22 +129,23 @@ def _capture_full(model, ids, window):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("policy", ["streaming", "snapkv"])
-def test_prefill_compression_matches_reference(request, gen, policy, arch):
+@pytest.mark.parametrize("policy,kernel_size,shift", [("streaming", 5, 0), ("snapkv", 5, 0),
+                                                      ("snapkv", 5, 2), ("snapkv", 49, 16)])
+def test_prefill_compression_matches_reference(request, gen, policy, kernel_size, shift, arch):
     model = request.getfixturevalue("model" if arch == "qwen2" else "qwen3")
     n, budget, w = 64, 24, 8
     ids = _ids(gen, 1, n)
     full, qs = _capture_full(model, ids, w)
     cache = transformers.DynamicCache()
-    # pool_shift=0: the reference's symmetric pool (the shift: tests/test_policy.py)
-    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=4, window=w, kernel_size=5,
-                        pool_shift=0):
+    with kp.hf.compress(model, policy=policy, budget=budget, n_sink=4, window=w,
+                        kernel_size=kernel_size, pool_shift=shift):
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     for i in range(N_LAYERS):
         k, v = hf.cache_kv(full, i)
         if policy == "snapkv":
-            exp = ref.snapkv(qs[i], k, v, budget, n_sink=4, window=w, kernel_size=5)
+            exp = ref.snapkv(qs[i], k, v, budget, n_sink=4, window=w, kernel_size=kernel_size,
+                             pool_shift=shift)
         else:
             exp = ref.streaming(k, v, budget, n_sink=4)
         got_k, got_v = hf.cache_kv(cache, i)
@@ -154,6 +155,24 @@ def test_prefill_compression_matches_reference(request, gen, policy, arch):
     positions = HKV * budget * 4 + 4 if policy == "streaming" else 0  # ring: slot_pos, seq_lens
     assert hf.kv_bytes(cache) == N_LAYERS * (2 * HKV * budget * D * 4 + positions)
     assert hf.kv_bytes(full) == 2 * N_LAYERS * HKV * n * D * 4
+
+
+def test_the_default_policy_runs_the_fused_snapkv(model, gen, monkeypatch):
+    """kp.hf's default policy (snapkv: 49-wide pool shifted by 16) compresses every layer with
+    one kp.snapkv call, and never ranks through kp.select_keep."""
+    from kvprune_cuda.policy import snapkv as snapkv_module
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(kwargs["pool_shift"])
+        return kp.snapkv(*args, **kwargs)
+
+    monkeypatch.setattr(snapkv_module, "snapkv", fused)
+    monkeypatch.setattr(kp, "select_keep", None)  # the staged path would fail on it
+    with kp.hf.compress(model, budget=48) as comp, torch.no_grad():
+        assert comp.policy == kp.policy.SnapKV(budget=48)
+        model(input_ids=_ids(gen, 1, 120), use_cache=True)
+    assert calls == [16] * N_LAYERS
 
 
 class _OldestSnapKV(kp.policy.SnapKV):

@@ -409,19 +409,20 @@ def test_compact_later_slabs_wait_for_a_slow_one(drop_every, gen):
                                                ("HND", "sliced", torch.float16)],
                          ids=["NHD-contig-f32", "HND-contig-bf16", "HND-sliced-f16"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_snapkv_matches_dense(block_size, layout, kind, dtype, device, gen):
+@pytest.mark.parametrize("shift", [0, 2])
+def test_snapkv_matches_dense(shift, block_size, layout, kind, dtype, device, gen):
     lens, heads, budget, window = ragged_lens(block_size), 2, 20, 8
     pool, table = make_pool(layout, kind, lens, block_size, heads, 64, dtype, gen)
     pool, seq_lens = pool.clone(device), int32(lens, device)
     q = torch.randn(len(lens), heads * 2, WINDOW, 64, generator=gen).to(device, dtype)
     dense_k = ref.paged_to_dense(pool.k, table, seq_lens, layout).to(device)
     dense_v = ref.paged_to_dense(pool.v, table, seq_lens, layout).to(device)
-    kw = dict(n_sink=2, window=window, kernel_size=5, pool="avg", gqa="max")
+    kw = dict(n_sink=2, window=window, kernel_size=5, pool="avg", gqa="max", pool_shift=shift)
     exp_k, exp_v, exp_idx = kp.snapkv(q, dense_k, dense_v, budget, seq_lens=seq_lens, **kw)
     idx, new_lens = kp.paged.snapkv(q, pool.k, pool.v, table.to(device), seq_lens, budget,
                                     layout=layout, **kw)
     pooled = ref.pool_scores(window_scores_f64(q, dense_k, gqa="max", seq_lens=seq_lens), 5, "avg",
-                             window=window, seq_lens=seq_lens)
+                             window=window, seq_lens=seq_lens, shift=shift)
     check_selection(idx, pooled, budget, n_sink=2, window=window, seq_lens=seq_lens,
                     atol=2 * score_tol(device, dtype) * pooled.amax(dim=-1))
     assert torch.equal(idx.cpu(), exp_idx.cpu())

@@ -1,5 +1,5 @@
-"""kp.policy.SnapKV's forward-shifted pool, by hand; the fused selection it takes only unshifted;
-kp.policy.KVzip's optional pool of its recorded maxima; which recordings a policy can rank."""
+"""kp.policy.SnapKV's forward-shifted pool, by hand; its fused selection (kp.snapkv) for every
+shift; kp.policy.KVzip's optional pool of its recorded maxima; which recordings a policy can rank."""
 
 import pytest
 import torch
@@ -44,15 +44,23 @@ def test_a_shift_longer_than_the_row_keeps_its_shape(monkeypatch):
     assert len(got) == 20 and got[:18] == pytest.approx([0.5] * 18)
 
 
-def test_pool_shift_is_validated_and_only_the_unshifted_pool_is_fused():
+@pytest.mark.parametrize("options", [dict(pool_shift=0), dict(kernel_size=7, pool_shift=2),
+                                     dict(), dict(pool="avg", gqa="max")])
+def test_every_shift_selects_fused_what_its_score_ranks(options):
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    p = kp.policy.SnapKV(budget=60, window=8, **options)
+    fused = p.select(q, k, v, 60)
+    assert fused is not None
+    idx = kp.select_keep(p.score(q, k), 60, n_sink=p.n_sink, window=p.window)
+    assert torch.equal(fused.idx, idx)
+    assert all(torch.equal(a, b) for a, b in zip(fused[:2], kp.gather_kv(k, v, idx)))
+
+
+def test_pool_shift_is_validated():
     with pytest.raises(ValueError, match="pool_shift"):
         kp.policy.SnapKV(kernel_size=7, pool_shift=4)
     with pytest.raises(ValueError, match="pool_shift"):
         kp.policy.SnapKV(pool_shift=-1)
-    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 64, 16)
-    assert kp.policy.SnapKV(budget=16, window=8, pool_shift=0).select(q, k, k, 16) is not None
-    assert kp.policy.SnapKV(budget=16, window=8, kernel_size=7, pool_shift=2).select(
-        q, k, k, 16) is None
     # left None: 16 with the default kernel (49), else 0 (the centred pools of before)
     assert [kp.policy.SnapKV(kernel_size=n).shift for n in (1, 7, 31, 49)] == [0, 0, 0, 16]
     assert kp.policy.SnapKV().kernel_size == 49 and kp.policy.SnapKV().shift == 16

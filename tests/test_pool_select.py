@@ -83,6 +83,57 @@ def test_pool_defaults_and_input_untouched(device, gen):
     assert_pool_matches(out, ref.pool_scores(scores.cpu(), 7, "max", window=32), "max")
 
 
+# (N, window, kernel_size, shift): every shift 0..r of kernels 3 and 7, the default 49 / 16
+# and its largest shift, kernels wider than the prefix.
+SHIFTED = [(37, 8, 3, 1), (100, 8, 7, 1), (100, 8, 7, 2), (100, 8, 7, 3), (300, 32, 49, 16),
+           (300, 32, 49, 24), (40, 8, 101, 50), (5, 1, 3, 1)]
+
+
+@pytest.mark.parametrize("kind", ["rand", "randn"])
+@pytest.mark.parametrize("mode", POOL_MODES)
+@pytest.mark.parametrize("length,window,kernel_size,shift", SHIFTED,
+                         ids=[f"N{n}-win{w}-ks{k}-s{s}" for n, w, k, s in SHIFTED])
+def test_shifted_pool_matches_reference(length, window, kernel_size, shift, mode, kind, device,
+                                        gen):
+    scores = random_scores(2, 3, length, gen, kind)
+    expected = ref.pool_scores(scores, kernel_size, mode, window=window, shift=shift)
+    out = kp.pool_scores(scores.to(device), kernel_size, mode, window=window, shift=shift)
+    assert_pool_matches(out, expected, mode)
+
+
+@pytest.mark.parametrize("mode", POOL_MODES)
+def test_shifted_pool_by_hand(mode, device):
+    """One vote of 1 at position 4 of 12 (window 2: positions 10, 11 copied), kernel 5
+    (r = 2), shift 2: position i covers [i - 4, i], so the vote reaches 4..8; max gives 1
+    there, avg 1/5. The last prefix position (9) covers 5..9: not the vote."""
+    scores = torch.zeros(1, 1, 12)
+    scores[0, 0, 4], scores[0, 0, 11] = 1.0, 0.5
+    out = kp.pool_scores(scores.to(device), 5, mode, window=2, shift=2)[0, 0].cpu()
+    peak = 1.0 if mode == "max" else 0.2
+    want = [0.0] * 4 + [peak] * 5 + [0.0, 0.0, 0.5]
+    assert out.tolist() == pytest.approx(want)
+
+
+def test_shifted_pool_ragged_seq_lens(device, gen):
+    lens = [300, 31, 0, 1, 32, 33, 57, 250]  # window 32: n < W, n == 0, n == W, n == W + 1
+    scores = random_scores(len(lens), 2, 300, gen)
+    seq_lens = seq_lens_tensor(lens, "cpu")
+    for mode in POOL_MODES:
+        expected = ref.pool_scores(scores, 49, mode, window=32, seq_lens=seq_lens, shift=16)
+        poisoned = scores.clone()
+        for b, n in enumerate(lens):  # padding holds garbage; it must be ignored and zeroed
+            poisoned[b, :, n:] = float("nan")
+        out = kp.pool_scores(poisoned.to(device), 49, mode, window=32,
+                             seq_lens=seq_lens.to(device), shift=16)
+        assert_pool_matches(out, expected, mode)
+
+
+@pytest.mark.parametrize("kernel_size,shift", [(7, 4), (7, -1), (1, 1)])
+def test_pool_shift_out_of_range_is_refused(kernel_size, shift, device):
+    with pytest.raises(ValueError, match=r"^shift must lie in \[0, kernel_size / 2"):
+        kp.pool_scores(torch.rand(1, 1, 50, device=device), kernel_size, shift=shift)
+
+
 # ---------------------------------------------------------------- select_keep
 
 # (N, budget, n_sink, window); 4132 / 4133: exactly 4096 / 4097 candidates.

@@ -157,6 +157,62 @@ def test_fused_equals_staged_exactly(lens, with_lse, device, gen):
     assert torch.equal(kept.k, out_k) and torch.equal(kept.v, out_v)
 
 
+# (kernel_size, pool_shift): every shift of kernel 7, the default 49 / 16 and its largest.
+SHIFTS = [(7, 0), (7, 1), (7, 2), (7, 3), (49, 16), (49, 24)]
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("kernel_size,shift", SHIFTS, ids=[f"ks{k}-s{s}" for k, s in SHIFTS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_shifted_pool_fused_equals_staged_and_reference(dtype, kernel_size, shift, pool, device,
+                                                        gen):
+    """kp.snapkv(pool_shift=s) keeps exactly what the staged ops keep (window_scores ->
+    pool_scores(shift=s) -> select_keep -> gather_kv), kp.snapkv_select the same positions,
+    and tie-tolerantly what the reference's
+    shifted pool ranks: a ragged batch (rows shorter than the window, of the sinks plus the
+    window, one past the budget, full), sinks 0 and 4, window edges."""
+    lens = (300, 20, 0, 61, 100, 101, 207)
+    for n_sink, window in ((4, 16), (0, 8)):
+        case = Case(2, 3, 300, 16, 100, window=window, n_sink=n_sink, kernel_size=kernel_size,
+                    pool=pool, lens=lens, with_lse=n_sink == 0, layout="bnhd")
+        q, k, v, lse, seq_lens = make_inputs(case, dtype, device, gen)
+        kept = run_snapkv(case, q, k, v, lse, seq_lens, pool_shift=shift)
+        scores = kp.window_scores(q, k, lse=lse, seq_lens=seq_lens)
+        pooled = kp.pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens,
+                                shift=shift)
+        idx = kp.select_keep(pooled, case.budget, n_sink=n_sink, window=window,
+                             seq_lens=seq_lens)
+        assert torch.equal(kept.idx, idx)
+        out_k, out_v = kp.gather_kv(k, v, idx)
+        assert torch.equal(kept.k, out_k) and torch.equal(kept.v, out_v)
+        selected = kp.snapkv_select(q, k, case.budget, n_sink=n_sink, window=window,
+                                    kernel_size=kernel_size, pool=pool, lse=lse,
+                                    seq_lens=seq_lens, pool_shift=shift)
+        assert torch.equal(selected, idx)
+        raw = ref.window_scores(q, k, lse=lse, gqa=case.gqa, seq_lens=seq_lens)
+        want = ref.pool_scores(raw, kernel_size, pool, window=window, seq_lens=seq_lens,
+                               shift=shift)
+        atol = 2 * score_tol(device, dtype) * raw.double().abs().amax(dim=-1)
+        check_selection(kept.idx, want, case.budget, n_sink=n_sink, window=window,
+                        seq_lens=seq_lens, atol=atol)
+
+
+def test_shifted_pool_keeps_what_follows_the_voted_key(device):
+    """By hand: the window's queries vote for key 10 alone (a spike along dim 0); kernel 5,
+    shift 2, budget 4 sinks + 5 + window 4. The pool spreads the vote over [10, 14], the
+    five picks; centred (shift 0) it covers [8, 12]."""
+    n, d = 40, 8
+    q = torch.zeros(1, 1, 4, d)
+    q[..., 0] = 20.0
+    k = torch.zeros(1, 1, n, d)
+    k[0, 0, 10, 0] = 1.0
+    for shift, first in ((2, 10), (0, 8)):
+        kept = kp.snapkv(q.to(device), k.to(device), k.to(device), 13, n_sink=4, window=4,
+                         kernel_size=5, pool_shift=shift)
+        want = list(range(4)) + list(range(first, first + 5)) + list(range(n - 4, n))
+        assert kept.idx[0, 0].tolist() == want
+
+
 def separated_inputs(kv_heads, group, length, dtype, device, gen, head_dim=64):
     """Inputs whose scores are strictly ordered with ~5 % gaps: every window query is
     the same vector along dim 0 and key j is rank_j * e0 (ranks distinct, exact in

@@ -39,7 +39,8 @@ Status run(const SnapKvParams& params, void* workspace, size_t workspace_bytes,
   if (auto s = validate_agreement(params); s != Status::kOk) return s;
   if (validate_sizes(params.scores) != Status::kOk || validate_sizes(params.select) != Status::kOk)
     return Status::kInvalidArgument;
-  if (params.gather.rope.rotary_dim != 0) return Status::kInvalidArgument;  // snapkv never rotates
+  if (!params.select_only && params.gather.rope.rotary_dim != 0)
+    return Status::kInvalidArgument;  // snapkv never rotates
   const size_t scores = scores_bytes(params), scratch = scratch_bytes(params, stages);
   if (workspace_bytes < scores + scratch) return Status::kWorkspaceTooSmall;
   if (workspace == nullptr) return Status::kInvalidArgument;
@@ -50,10 +51,12 @@ Status run(const SnapKvParams& params, void* workspace, size_t workspace_bytes,
   p.select.scores = p.scores.scores;
   // Check the later stages before the first one runs, so a bad call changes nothing.
   if (auto s = validate(p.select); s != Status::kOk) return s;
-  if (auto s = validate(p.gather); s != Status::kOk) return s;
+  if (!p.select_only) {
+    if (auto s = validate(p.gather); s != Status::kOk) return s;
+  }
   if (auto s = stages.scores(p.scores, base + scores, scratch); s != Status::kOk) return s;
   if (auto s = stages.select(p.select, base + scores, scratch); s != Status::kOk) return s;
-  return stages.gather(p.gather);
+  return p.select_only ? Status::kOk : stages.gather(p.gather);
 }
 
 }  // namespace kvprune::snapkv_chain

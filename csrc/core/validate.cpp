@@ -27,8 +27,8 @@ bool valid_layout(const Tokens& t, int64_t length) {
          pg.table_stride <= kMaxLength / pg.block_size && pg.table_stride * pg.block_size >= length;
 }
 
-bool valid_pool(int64_t kernel_size, PoolMode mode) {
-  return kernel_size >= 1 && kernel_size % 2 == 1 &&
+bool valid_pool(int64_t kernel_size, int64_t shift, PoolMode mode) {
+  return kernel_size >= 1 && kernel_size % 2 == 1 && shift >= 0 && shift <= kernel_size / 2 &&
          (mode == PoolMode::kMax || mode == PoolMode::kAvg);
 }
 
@@ -61,7 +61,7 @@ Status validate(const WindowScoresParams& p) {
 
 Status validate(const PoolScoresParams& p) {
   if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.window < 0) return Status::kInvalidArgument;
-  if (!valid_pool(p.kernel_size, p.mode)) return Status::kInvalidArgument;
+  if (!valid_pool(p.kernel_size, p.shift, p.mode)) return Status::kInvalidArgument;
   if (p.batch * p.heads * p.length > 0 && (p.scores_in == nullptr || p.scores_out == nullptr))
     return Status::kInvalidArgument;
   if (p.scores_in == p.scores_out && p.scores_in != nullptr) return Status::kInvalidArgument;
@@ -72,7 +72,7 @@ Status validate_sizes(const SelectKeepParams& p) {
   if (p.batch < 0 || p.heads < 0 || p.length < 0 || p.length > kMaxLength) return Status::kInvalidArgument;
   if (p.n_sink < 0 || p.window < 0 || p.budget < p.n_sink + p.window || p.budget < 1)
     return Status::kInvalidArgument;
-  if (!valid_pool(p.pool_kernel_size, p.pool_mode)) return Status::kInvalidArgument;
+  if (!valid_pool(p.pool_kernel_size, p.pool_shift, p.pool_mode)) return Status::kInvalidArgument;
   return Status::kOk;
 }
 
@@ -119,9 +119,11 @@ Status validate_agreement(const SnapKvParams& p) {
   const WindowScoresParams& sc = p.scores;
   const SelectKeepParams& se = p.select;
   const GatherKvParams& ga = p.gather;
-  const bool same_problem = sc.fold_length == 0 && se.batch == sc.batch && se.heads == sc.kv_heads &&
-                            se.length == sc.length && se.seq_lens == sc.seq_lens &&
-                            ga.batch == sc.batch && ga.heads == sc.kv_heads &&
+  const bool same_selection = sc.fold_length == 0 && se.batch == sc.batch &&
+                              se.heads == sc.kv_heads && se.length == sc.length &&
+                              se.seq_lens == sc.seq_lens;
+  if (p.select_only) return same_selection ? Status::kOk : Status::kInvalidArgument;
+  const bool same_problem = same_selection && ga.batch == sc.batch && ga.heads == sc.kv_heads &&
                             ga.length == sc.length && ga.head_dim == sc.head_dim &&
                             ga.dtype == key_dtype(sc) && ga.budget == se.budget &&
                             ga.keep_idx == se.keep_idx && ga.k.data == sc.k.data &&

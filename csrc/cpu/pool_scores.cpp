@@ -29,7 +29,7 @@ Status pool_scores_cpu(const PoolScoresParams& p, const CpuExecutor& exec) {
       const int64_t prefix = std::max<int64_t>(n - p.window, 0);
       const float* in = p.scores_in + row * p.length;  // [length]
       float* out = p.scores_out + row * p.length;      // [length]
-      cpu::pool_row(in, prefix, p.kernel_size, p.mode, out);
+      cpu::pool_row(in, prefix, p.kernel_size, p.shift, p.mode, out);
       std::copy(in + prefix, in + n, out + prefix);
       std::fill(out + n, out + p.length, 0.f);
     }

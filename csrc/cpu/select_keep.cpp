@@ -45,7 +45,7 @@ void select_row(const SelectKeepParams& p, const float* row, int64_t n, float* s
   const float* values = row;  // [prefix], what candidates are ranked by
   float* cand = scratch;      // [num_cand]
   if (p.pool_kernel_size > 1) {
-    cpu::pool_row(row, prefix, p.pool_kernel_size, p.pool_mode, scratch);
+    cpu::pool_row(row, prefix, p.pool_kernel_size, p.pool_shift, p.pool_mode, scratch);
     values = scratch;
     cand = scratch + p.length;
   }

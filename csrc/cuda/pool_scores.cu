@@ -30,6 +30,7 @@ struct PoolArgs {
   int64_t window;
   int64_t kernel_size;
   PoolMode mode;
+  int64_t shift;
   uint32_t tiles_per_row;
 };
 
@@ -40,7 +41,7 @@ __global__ __launch_bounds__(kBlock) void pool_scores_kernel(PoolArgs a) {
   const int64_t prefix = n - a.window > 0 ? n - a.window : 0;
   const float* in = a.scores_in + row * a.length;
   float* out = a.scores_out + row * a.length;
-  const cuda_detail::PooledRow pooled{in, prefix, a.kernel_size, a.mode};
+  const cuda_detail::PooledRow pooled{in, prefix, a.kernel_size, a.mode, a.shift};
 #pragma unroll
   for (int i = 0; i < kItemsPerThread; ++i) {
     const int64_t j = tile * kTile + i * kBlock + threadIdx.x;
@@ -58,8 +59,9 @@ Status pool_scores_cuda(const PoolScoresParams& p, cudaStream_t stream) {
   const int64_t tiles_per_row = ceil_div(p.length, kTile);
   if (rows * tiles_per_row > cuda_detail::kMaxGridBlocks) return Status::kInvalidArgument;
 
-  const PoolArgs args{p.scores_in, p.scores_out, p.seq_lens, p.heads,   p.length,
-                      p.window,    p.kernel_size, p.mode,   static_cast<uint32_t>(tiles_per_row)};
+  const PoolArgs args{p.scores_in, p.scores_out,  p.seq_lens, p.heads,
+                      p.length,    p.window,      p.kernel_size, p.mode,
+                      p.shift,     static_cast<uint32_t>(tiles_per_row)};
   simt::launch<pool_scores_kernel>(static_cast<unsigned>(rows * tiles_per_row), kBlock, 0, stream, args);
   return cuda_detail::launch_status();
 }

@@ -272,6 +272,7 @@ Status select_keep_cuda(const SelectKeepParams& p, void* workspace, size_t works
     pool.window = p.window;
     pool.kernel_size = p.pool_kernel_size;
     pool.mode = p.pool_mode;
+    pool.shift = p.pool_shift;
     if (auto s = pool_scores_cuda(pool, stream); s != Status::kOk) return s;
     scores = pooled;
   }

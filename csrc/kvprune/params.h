@@ -29,7 +29,9 @@ enum class GqaReduce : int { kMean = 0, kMax = 1, kSum = 2 };
 enum class QueryReduce : int { kSum = 0, kMax = 1 };
 
 // 1-D pooling over the prefix [0, len - window): max ignores padding; avg counts
-// padding as zeros and always divides by kernel_size.
+// padding as zeros and always divides by kernel_size. A pool shifted by s (0 <= s <=
+// kernel_size / 2) covers the positions [i - r - s, i + r - s] (r = kernel_size / 2)
+// for position i: a high score reaches the r + s positions after it, the r - s before.
 enum class PoolMode : int { kMax = 0, kAvg = 1 };
 
 // A paged (block-table) token layout, as serving engines keep their KV caches: the
@@ -138,8 +140,11 @@ inline int64_t score_row_length(const WindowScoresParams& p) {
   return p.fold_length > 0 ? p.fold_length : p.length;
 }
 
-// Stage 3: stride-1 pooling over each row's prefix [0, len - window). Positions in
-// [len - window, len) are copied unchanged, positions >= len become 0.
+// Stage 3: stride-1 pooling over each row's prefix [0, len - window):
+//   max: out[i] = max of in[j], j in [i-r-shift, i+r-shift] ∩ [0, len - window)
+//   avg: out[i] = sum of in[j] over the same j, / kernel_size
+// (r = kernel_size / 2). Positions in [len - window, len) are copied unchanged,
+// positions >= len become 0.
 struct PoolScoresParams {
   const float* scores_in = nullptr;   // [batch, heads, length]
   float* scores_out = nullptr;        // out: [batch, heads, length]; must not alias scores_in
@@ -150,6 +155,7 @@ struct PoolScoresParams {
   int64_t window = 0;
   int64_t kernel_size = 7;  // odd, >= 1
   PoolMode mode = PoolMode::kMax;
+  int64_t shift = 0;        // in [0, kernel_size / 2]
 };
 
 // Stage 4: keep sinks [0,n_sink), the window [len-window, len) and the
@@ -157,7 +163,8 @@ struct PoolScoresParams {
 // wins), written in ascending position order. Rows with len <= budget keep
 // 0..len-1 followed by -1 padding.
 // pool_kernel_size > 1 pools the scores on the fly first (same rule as
-// PoolScoresParams), so pool + select is one pass; 1 selects on raw scores.
+// PoolScoresParams, shifted by pool_shift), so pool + select is one pass; 1 selects
+// on raw scores.
 struct SelectKeepParams {
   const float* scores = nullptr;      // [batch, heads, length], finite
   const int32_t* seq_lens = nullptr;  // [batch] or null
@@ -170,6 +177,7 @@ struct SelectKeepParams {
   int64_t window = 32;
   int64_t pool_kernel_size = 1;
   PoolMode pool_mode = PoolMode::kMax;
+  int64_t pool_shift = 0;  // in [0, pool_kernel_size / 2]
 };
 
 // StreamingLLM: keep [0, n_sink) and the last budget - n_sink positions.
@@ -258,10 +266,13 @@ struct CompactKvParams {
 // select.keep_idx (the kept positions, an output like out_k/out_v);
 // gather.dtype == scores.dtype; gather.k describes the same keys as scores.k.
 // scores.scores and select.scores are ignored: the scores live in the workspace.
+// select_only: the chain stops after the selection (select.keep_idx written, no K/V
+// gathered, `gather` ignored), for an engine that compacts its own cache in place.
 struct SnapKvParams {
   WindowScoresParams scores;
   SelectKeepParams select;
   GatherKvParams gather;
+  bool select_only = false;
 };
 
 }  // namespace kvprune

@@ -28,9 +28,12 @@ void check_budget(int64_t budget, int64_t n_sink, int64_t window) {
                     ") must be >= 1 and >= n_sink + window (", n_sink, " + ", window, ")");
 }
 
-void check_kernel_size(int64_t kernel_size) {
+// A pool's kernel_size and its shift (named `name`: shift, pool_shift).
+void check_pool(int64_t kernel_size, int64_t shift, const char* name) {
   TORCH_CHECK_VALUE(kernel_size >= 1 && kernel_size % 2 == 1,
                     "kernel_size must be an odd integer >= 1, got ", kernel_size);
+  TORCH_CHECK_VALUE(shift >= 0 && shift <= kernel_size / 2, name, " must lie in [0, kernel_size / 2 = ",
+                    kernel_size / 2, "], got ", shift);
 }
 
 WindowScoresParams window_scores_params(const at::Tensor& q, const at::Tensor& k,
@@ -196,9 +199,9 @@ void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor&
 
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
                        const std::string& mode, int64_t window,
-                       const std::optional<at::Tensor>& seq_lens) {
+                       const std::optional<at::Tensor>& seq_lens, int64_t shift) {
   check_scores(scores, "scores");
-  check_kernel_size(kernel_size);
+  check_pool(kernel_size, shift, "shift");
   TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
   const c10::DeviceGuard guard(scores.device());
   at::Tensor out = at::empty_like(scores);
@@ -212,6 +215,7 @@ at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kern
   p.window = window;
   p.kernel_size = kernel_size;
   p.mode = parse_pool(mode, "mode");
+  p.shift = shift;
   check_status(be.pool_scores(p), "pool_scores");
   return out;
 }
@@ -287,48 +291,81 @@ TensorPair gather_kv(const Backend& be, const at::Tensor& k, const at::Tensor& v
 
 namespace {
 
-// The chain into out_k / out_v (fresh: just allocated here, else the caller's).
-at::Tensor snapkv_into(const Backend& be, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
-                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
-                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
-                       const std::optional<at::Tensor>& seq_lens,
-                       const std::optional<at::Tensor>& k_scale, at::Tensor& out_k,
-                       at::Tensor& out_v, bool fresh) {
-  check_kernel_size(kernel_size);
+// The chain's scoring and selection of q, k (SnapKvParams without its gather), into idx
+// int32 [B, Hkv, budget], allocated here.
+SnapKvParams snapkv_selection(const at::Tensor& q, const at::Tensor& k, int64_t budget,
+                              int64_t n_sink, int64_t window, int64_t kernel_size,
+                              int64_t pool_shift, const std::string& pool, const std::string& gqa,
+                              const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                              const std::optional<at::Tensor>& seq_lens,
+                              const std::optional<at::Tensor>& k_scale, at::Tensor& idx) {
+  check_pool(kernel_size, pool_shift, "pool_shift");
   SnapKvParams p;
   p.scores = window_scores_params(q, k, lse, scale, gqa, seq_lens, k_scale);
-  const c10::DeviceGuard guard(q.device());
   p.select = select_params(p.scores.batch, p.scores.kv_heads, p.scores.length, p.scores.seq_lens,
                            budget, n_sink, window);
   p.select.pool_kernel_size = kernel_size;
   p.select.pool_mode = parse_pool(pool, "pool");
-  // The outputs of the chain; its scores and scratch live in the workspace.
-  at::Tensor idx = at::empty({p.scores.batch, p.scores.kv_heads, budget}, q.options().dtype(at::kInt));
+  p.select.pool_shift = pool_shift;
+  idx = at::empty({p.scores.batch, p.scores.kv_heads, budget}, q.options().dtype(at::kInt));
   p.select.keep_idx = idx.data_ptr<int32_t>();
-  p.gather = fresh ? gather_params(k, v, idx, out_k, out_v)
-                   : checked_gather_params(k, v, idx, out_k, out_v);
-  p.gather.fresh_outputs = fresh;
+  return p;
+}
+
+// Runs the chain p on q's device; its scores and scratch live in the workspace.
+void run_snapkv(const Backend& be, const SnapKvParams& p, const at::Tensor& q) {
+  const c10::DeviceGuard guard(q.device());
   const size_t ws_bytes = be.snapkv_workspace(p);
   at::Tensor ws = allocate_workspace(ws_bytes, q);
   check_status(be.snapkv(p, ws.data_ptr(), ws_bytes), "snapkv");
+}
+
+// The chain into out_k / out_v (fresh: just allocated here, else the caller's).
+at::Tensor snapkv_into(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
+                       int64_t kernel_size, int64_t pool_shift, const std::string& pool,
+                       const std::string& gqa, const std::optional<at::Tensor>& lse,
+                       std::optional<double> scale, const std::optional<at::Tensor>& seq_lens,
+                       const std::optional<at::Tensor>& k_scale, at::Tensor& out_k,
+                       at::Tensor& out_v, bool fresh) {
+  at::Tensor idx;
+  SnapKvParams p = snapkv_selection(q, k, budget, n_sink, window, kernel_size, pool_shift, pool,
+                                    gqa, lse, scale, seq_lens, k_scale, idx);
+  p.gather = fresh ? gather_params(k, v, idx, out_k, out_v)
+                   : checked_gather_params(k, v, idx, out_k, out_v);
+  p.gather.fresh_outputs = fresh;
+  run_snapkv(be, p, q);
   return idx;
 }
 
 }  // namespace
+
+at::Tensor snapkv_select(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                         int64_t budget, int64_t n_sink, int64_t window, int64_t kernel_size,
+                         const std::string& pool, const std::string& gqa,
+                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                         const std::optional<at::Tensor>& seq_lens,
+                         const std::optional<at::Tensor>& k_scale, int64_t pool_shift) {
+  at::Tensor idx;
+  SnapKvParams p = snapkv_selection(q, k, budget, n_sink, window, kernel_size, pool_shift, pool,
+                                    gqa, lse, scale, seq_lens, k_scale, idx);
+  p.select_only = true;
+  run_snapkv(be, p, q);
+  return idx;
+}
 
 TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                     int64_t kernel_size, const std::string& pool, const std::string& gqa,
                     const std::optional<at::Tensor>& lse, std::optional<double> scale,
                     const std::optional<at::Tensor>& seq_lens,
-                    const std::optional<at::Tensor>& k_scale) {
+                    const std::optional<at::Tensor>& k_scale, int64_t pool_shift) {
   check_cache_pair(k, v);
   check_budget(budget, n_sink, window);
   at::Tensor out_k = empty_like_kept(k, budget);
   at::Tensor out_v = empty_like_kept(v, budget);
-  at::Tensor idx = snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                               scale, seq_lens, k_scale, out_k, out_v, /*fresh=*/true);
+  at::Tensor idx = snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool_shift, pool,
+                               gqa, lse, scale, seq_lens, k_scale, out_k, out_v, /*fresh=*/true);
   return {out_k, out_v, idx};
 }
 
@@ -337,11 +374,12 @@ at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& 
                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
-                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale) {
+                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale,
+                      int64_t pool_shift) {
   check_cache_pair(k, v);
   check_budget(budget, n_sink, window);
-  return snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
-                     seq_lens, k_scale, out_k, out_v, /*fresh=*/false);
+  return snapkv_into(be, q, k, v, budget, n_sink, window, kernel_size, pool_shift, pool, gqa, lse,
+                     scale, seq_lens, k_scale, out_k, out_v, /*fresh=*/false);
 }
 
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,

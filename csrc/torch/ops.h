@@ -38,7 +38,7 @@ void window_scores_out(const Backend& be, const at::Tensor& q, const at::Tensor&
 // scores fp32 [B,H,N] -> fp32 [B,H,N]
 at::Tensor pool_scores(const Backend& be, const at::Tensor& scores, int64_t kernel_size,
                        const std::string& mode, int64_t window,
-                       const std::optional<at::Tensor>& seq_lens);
+                       const std::optional<at::Tensor>& seq_lens, int64_t shift);
 // scores fp32 [B,H,N] -> int32 [B,H,budget]
 at::Tensor select_keep(const Backend& be, const at::Tensor& scores, int64_t budget, int64_t n_sink,
                        int64_t window, const std::optional<at::Tensor>& seq_lens);
@@ -57,14 +57,22 @@ TensorTriple snapkv(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                     int64_t kernel_size, const std::string& pool, const std::string& gqa,
                     const std::optional<at::Tensor>& lse, std::optional<double> scale,
                     const std::optional<at::Tensor>& seq_lens,
-                    const std::optional<at::Tensor>& k_scale);
+                    const std::optional<at::Tensor>& k_scale, int64_t pool_shift);
+// The same without the gather: q [B,Hq,W,D], k [B,Hkv,N,D] -> idx int32 [B,Hkv,budget]
+at::Tensor snapkv_select(const Backend& be, const at::Tensor& q, const at::Tensor& k,
+                         int64_t budget, int64_t n_sink, int64_t window, int64_t kernel_size,
+                         const std::string& pool, const std::string& gqa,
+                         const std::optional<at::Tensor>& lse, std::optional<double> scale,
+                         const std::optional<at::Tensor>& seq_lens,
+                         const std::optional<at::Tensor>& k_scale, int64_t pool_shift);
 // The same into the caller's out_k / out_v [B,Hkv,budget,D] (checked like gather_kv_out) -> idx
 at::Tensor snapkv_out(const Backend& be, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, int64_t budget, int64_t n_sink, int64_t window,
                       int64_t kernel_size, const std::string& pool, const std::string& gqa,
                       const std::optional<at::Tensor>& lse, std::optional<double> scale,
                       const std::optional<at::Tensor>& seq_lens, at::Tensor& out_k,
-                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale);
+                      at::Tensor& out_v, const std::optional<at::Tensor>& k_scale,
+                      int64_t pool_shift);
 TensorTriple streaming(const Backend& be, const at::Tensor& k, const at::Tensor& v, int64_t budget,
                        int64_t n_sink, const std::optional<at::Tensor>& seq_lens);
 
@@ -96,8 +104,8 @@ struct OpsFor {
   }
   static at::Tensor pool_scores_impl(const at::Tensor& scores, int64_t kernel_size,
                                      std::string mode, int64_t window,
-                                     const std::optional<at::Tensor>& seq_lens) {
-    return pool_scores(Backends::get(), scores, kernel_size, mode, window, seq_lens);
+                                     const std::optional<at::Tensor>& seq_lens, int64_t shift) {
+    return pool_scores(Backends::get(), scores, kernel_size, mode, window, seq_lens, shift);
   }
   static at::Tensor select_keep_impl(const at::Tensor& scores, int64_t budget, int64_t n_sink,
                                      int64_t window, const std::optional<at::Tensor>& seq_lens) {
@@ -115,9 +123,9 @@ struct OpsFor {
                                   int64_t kernel_size, std::string pool, std::string gqa,
                                   const std::optional<at::Tensor>& lse, std::optional<double> scale,
                                   const std::optional<at::Tensor>& seq_lens,
-                                  const std::optional<at::Tensor>& k_scale) {
+                                  const std::optional<at::Tensor>& k_scale, int64_t pool_shift) {
     return snapkv(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                  scale, seq_lens, k_scale);
+                  scale, seq_lens, k_scale, pool_shift);
   }
   static at::Tensor snapkv_out_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     int64_t budget, int64_t n_sink, int64_t window,
@@ -125,9 +133,21 @@ struct OpsFor {
                                     const std::optional<at::Tensor>& lse,
                                     std::optional<double> scale,
                                     const std::optional<at::Tensor>& seq_lens, at::Tensor out_k,
-                                    at::Tensor out_v, const std::optional<at::Tensor>& k_scale) {
+                                    at::Tensor out_v, const std::optional<at::Tensor>& k_scale,
+                                    int64_t pool_shift) {
     return snapkv_out(Backends::get(), q, k, v, budget, n_sink, window, kernel_size, pool, gqa,
-                      lse, scale, seq_lens, out_k, out_v, k_scale);
+                      lse, scale, seq_lens, out_k, out_v, k_scale, pool_shift);
+  }
+  static at::Tensor snapkv_select_impl(const at::Tensor& q, const at::Tensor& k, int64_t budget,
+                                       int64_t n_sink, int64_t window, int64_t kernel_size,
+                                       std::string pool, std::string gqa,
+                                       const std::optional<at::Tensor>& lse,
+                                       std::optional<double> scale,
+                                       const std::optional<at::Tensor>& seq_lens,
+                                       const std::optional<at::Tensor>& k_scale,
+                                       int64_t pool_shift) {
+    return snapkv_select(Backends::get(), q, k, budget, n_sink, window, kernel_size, pool, gqa,
+                         lse, scale, seq_lens, k_scale, pool_shift);
   }
   static TensorTriple streaming_impl(const at::Tensor& k, const at::Tensor& v, int64_t budget,
                                      int64_t n_sink, const std::optional<at::Tensor>& seq_lens) {
@@ -161,6 +181,7 @@ struct OpsFor {
     m.impl("gather_kv_out", &gather_kv_out_impl);
     m.impl("snapkv", &snapkv_impl);
     m.impl("snapkv_out", &snapkv_out_impl);
+    m.impl("snapkv_select", &snapkv_select_impl);
     m.impl("streaming", &streaming_impl);
   }
 };

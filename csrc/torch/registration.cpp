@@ -10,16 +10,20 @@ TORCH_LIBRARY(kvprune, m) {
   m.def("window_scores_out(Tensor q, Tensor k, Tensor? lse, float? scale, str gqa, Tensor? seq_lens, "
         "str qreduce, Tensor(a!) out, Tensor? k_scale=None, Tensor? query_weight=None, "
         "Tensor? key_weight=None) -> ()");
-  m.def("pool_scores(Tensor scores, int kernel_size, str mode, int window, Tensor? seq_lens) -> Tensor");
+  m.def("pool_scores(Tensor scores, int kernel_size, str mode, int window, Tensor? seq_lens, "
+        "int shift=0) -> Tensor");
   m.def("select_keep(Tensor scores, int budget, int n_sink, int window, Tensor? seq_lens) -> Tensor");
   m.def("gather_kv(Tensor k, Tensor v, Tensor idx) -> (Tensor, Tensor)");
   m.def("gather_kv_out(Tensor k, Tensor v, Tensor idx, Tensor(a!) out_k, Tensor(b!) out_v) -> ()");
   m.def("snapkv(Tensor q, Tensor k, Tensor v, int budget, int n_sink, int window, int kernel_size, "
-        "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens, Tensor? k_scale=None) -> "
-        "(Tensor, Tensor, Tensor)");
+        "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens, Tensor? k_scale=None, "
+        "int pool_shift=0) -> (Tensor, Tensor, Tensor)");
   m.def("snapkv_out(Tensor q, Tensor k, Tensor v, int budget, int n_sink, int window, int kernel_size, "
         "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens, Tensor(a!) out_k, "
-        "Tensor(b!) out_v, Tensor? k_scale=None) -> Tensor");
+        "Tensor(b!) out_v, Tensor? k_scale=None, int pool_shift=0) -> Tensor");
+  m.def("snapkv_select(Tensor q, Tensor k, int budget, int n_sink, int window, int kernel_size, "
+        "str pool, str gqa, Tensor? lse, float? scale, Tensor? seq_lens, Tensor? k_scale=None, "
+        "int pool_shift=0) -> Tensor");
   m.def("streaming(Tensor k, Tensor v, int budget, int n_sink, Tensor? seq_lens) -> (Tensor, Tensor, Tensor)");
   m.def("paged_window_scores(Tensor q, Tensor k_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor? lse, float? scale, str gqa, str layout, Tensor? k_scale=None) -> Tensor");

@@ -19,6 +19,7 @@ from kvprune_cuda._ops import (
     release_cpu_workspace,
     select_keep,
     snapkv,
+    snapkv_select,
     streaming,
     window_scores,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "pool_scores",
     "select_keep",
     "snapkv",
+    "snapkv_select",
     "streaming",
     "window_scores",
     "layer_budgets",

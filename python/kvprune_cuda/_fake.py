@@ -25,7 +25,7 @@ def _window_scores_out(q, k, lse, scale, gqa, seq_lens, qreduce, out, k_scale=No
 
 
 @torch.library.register_fake("kvprune::pool_scores")
-def _pool_scores(scores, kernel_size, mode, window, seq_lens):
+def _pool_scores(scores, kernel_size, mode, window, seq_lens, shift=0):
     return torch.empty_like(scores)
 
 
@@ -46,14 +46,20 @@ def _gather_kv_out(k, v, idx, out_k, out_v):
 
 @torch.library.register_fake("kvprune::snapkv")
 def _snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
-            k_scale=None):
+            k_scale=None, pool_shift=0):
     idx = k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
     return _kept(k, budget), _kept(v, budget), idx
 
 
 @torch.library.register_fake("kvprune::snapkv_out")
 def _snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
-                out_k, out_v, k_scale=None):
+                out_k, out_v, k_scale=None, pool_shift=0):
+    return k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
+
+
+@torch.library.register_fake("kvprune::snapkv_select")
+def _snapkv_select(q, k, budget, n_sink, window, kernel_size, pool, gqa, lse, scale, seq_lens,
+                   k_scale=None, pool_shift=0):
     return k.new_empty((k.shape[0], k.shape[1], budget), dtype=torch.int32)
 
 

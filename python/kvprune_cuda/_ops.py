@@ -105,16 +105,21 @@ def pool_scores(
     *,
     window: int = 32,
     seq_lens: Optional[torch.Tensor] = None,
+    shift: int = 0,
 ) -> torch.Tensor:
     """Stride-1 1-D pooling of each row's prefix [0, n - window) of fp32 [B, H, N] scores.
 
+    Position i pools the prefix's scores at ``[i - r - shift, i + r - shift]`` (``r =
+    kernel_size // 2``; ``0 <= shift <= r``, 0: centred), so with a shift a high score
+    reaches the ``r + shift`` positions after it and the ``r - shift`` before it.
     ``mode="max"`` ignores padding; ``"avg"`` counts padding as zeros (divides by
     kernel_size). Window positions are copied, positions >= n are 0.
     """
     check_int("kernel_size", kernel_size)
     check_str("mode", mode, ("max", "avg"))
     check_int("window", window)
-    return _ops.pool_scores(scores, kernel_size, mode, window, seq_lens)
+    check_int("shift", shift)
+    return _ops.pool_scores(scores, kernel_size, mode, window, seq_lens, shift)
 
 
 def select_keep(
@@ -184,31 +189,63 @@ def snapkv(
     out_k: Optional[torch.Tensor] = None,
     out_v: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
+    pool_shift: int = 0,
 ) -> KeptKV:
     """Dual-stage compression in one call: sinks + SnapKV voting, pooling, top-k, gather.
 
     ``window`` is the protected recent window (and pooling boundary); the
-    observation queries are q's W positions. ``out_k``/``out_v`` (both or neither,
+    observation queries are q's W positions. ``kernel_size``, ``pool``, ``pool_shift``:
+    the pool, as :func:`pool_scores`'s ``kernel_size``, ``mode`` and ``shift``. ``out_k``/``out_v`` (both or neither,
     [B, Hkv, budget, D], any strides with a contiguous last dim, not overlapping the
     inputs) receive the kept K/V instead of new tensors. fp8 K/V caches: scores
     dequantise K with ``k_scale`` (as :func:`window_scores`), the kept K/V are the cache's
     bytes, unchanged (the cache's scales stay valid). Returns KeptKV(k, v, idx).
     """
-    for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window),
-                        ("kernel_size", kernel_size)):
-        check_int(name, value)
-    check_str("pool", pool, ("max", "avg"))
-    check_str("gqa", gqa, ("mean", "max", "sum"))
-    check_scale(scale)
+    _check_snapkv_options(budget, n_sink, window, kernel_size, pool_shift, pool, gqa, scale)
     if (out_k is None) != (out_v is None):
         raise ValueError("snapkv: pass both out_k and out_v, or neither")
     if out_k is not None:
         idx = _ops.snapkv_out(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
-                              seq_lens, out_k, out_v, k_scale)
+                              seq_lens, out_k, out_v, k_scale, pool_shift)
         return KeptKV(out_k, out_v, idx)
     out_k, out_v, idx = _ops.snapkv(q, k, v, budget, n_sink, window, kernel_size, pool, gqa, lse,
-                                    scale, seq_lens, k_scale)
+                                    scale, seq_lens, k_scale, pool_shift)
     return KeptKV(out_k, out_v, idx)
+
+
+def snapkv_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    budget: int,
+    *,
+    n_sink: int = 4,
+    window: int = 32,
+    kernel_size: int = 7,
+    pool: str = "max",
+    gqa: str = "mean",
+    lse: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    seq_lens: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    pool_shift: int = 0,
+) -> torch.Tensor:
+    """:func:`snapkv` without the gather, in one call: the kept positions int32 [B, Hkv,
+    budget] (ascending, -1 = padding) of ``k`` [B, Hkv, N, D] by ``q``'s votes, for an engine
+    that compacts its own cache in place (e.g. :func:`kvprune_cuda.paged.compact`). Arguments
+    as :func:`snapkv`'s; ``snapkv(...).idx`` equals it."""
+    _check_snapkv_options(budget, n_sink, window, kernel_size, pool_shift, pool, gqa, scale)
+    return _ops.snapkv_select(q, k, budget, n_sink, window, kernel_size, pool, gqa, lse, scale,
+                              seq_lens, k_scale, pool_shift)
+
+
+def _check_snapkv_options(budget, n_sink, window, kernel_size, pool_shift, pool, gqa,
+                          scale) -> None:
+    for name, value in (("budget", budget), ("n_sink", n_sink), ("window", window),
+                        ("kernel_size", kernel_size), ("pool_shift", pool_shift)):
+        check_int(name, value)
+    check_str("pool", pool, ("max", "avg"))
+    check_str("gqa", gqa, ("mean", "max", "sum"))
+    check_scale(scale)
 
 
 def streaming(

@@ -7,7 +7,9 @@
   recent decode steps (the decode-time rule). The recorded ones followed by a forward's, cut to
   the last ``keep`` and copied, so no view keeps a whole prefill's queries alive.
 * :func:`kept_indices`: which of a layer's tokens to keep, from those queries and the keys:
-  the policy's scores ranked by :func:`kvprune_cuda.select_keep` after its sinks and window.
+  the policy's fused selection (:meth:`~kvprune_cuda.policy.Policy.select_indices`) where it
+  has one, else its scores ranked by :func:`kvprune_cuda.select_keep` after its sinks and
+  window.
 
 Torch-only.
 """
@@ -40,11 +42,15 @@ def kept_indices(policy: "policies.Policy", queries: Optional[torch.Tensor], key
     """int32 [B, Hkv, kept]: ascending positions of ``keys`` [B, Hkv, N, D] (post-RoPE, last dim
     contiguous) to keep per KV head, ``kept < N``: the sinks, the last ``window`` and the top
     scores of ``policy`` from ``queries`` [B, Hq, M, D] (its last ``observed_queries(N)`` are
-    used; None when it observes none) with the softmax ``scale`` (None: 1/sqrt(D))."""
+    used; None when it observes none) with the softmax ``scale`` (None: 1/sqrt(D)): the
+    policy's fused selection where it has one, else its ``score`` ranked."""
     w = policy.observed_queries(keys.shape[2])
     m = 0 if queries is None else queries.shape[2]
     if m < w:
         raise ValueError(f"queries: {m} queries, the policy observes the last {w}")
     window = None if not w else queries[:, :, m - w:].contiguous()
+    fused = policy.select_indices(window, keys, kept, scale=scale)
+    if fused is not None:
+        return fused
     scores = policy.score(window, keys, scale=scale)
     return select_keep(scores, kept, n_sink=policy.n_sink, window=policy.window)

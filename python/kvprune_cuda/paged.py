@@ -91,8 +91,10 @@ def snapkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, budget: int, *, n_sink: int = 4,
            window: int = 32, kernel_size: int = 7, pool: str = "max", gqa: str = "mean",
            lse: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-           layout: str = "NHD", k_scale: Optional[torch.Tensor] = None) -> Compacted:
-    """SnapKV on a paged cache, compacted in place: :func:`window_scores`, pooling and
+           layout: str = "NHD", k_scale: Optional[torch.Tensor] = None,
+           pool_shift: int = 0) -> Compacted:
+    """SnapKV on a paged cache, compacted in place: :func:`window_scores`, pooling
+    (``kernel_size``, ``pool``, ``pool_shift`` as in :func:`kvprune_cuda.snapkv`) and
     :func:`kvprune_cuda.select_keep` (as :func:`kvprune_cuda.snapkv`), then :func:`compact`.
 
     Rows of at most ``budget`` tokens keep everything. Returns ``(idx, seq_lens)``:
@@ -101,7 +103,8 @@ def snapkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     check_int("budget", budget)
     scores = window_scores(q, k_cache, block_table, seq_lens, lse=lse, scale=scale, gqa=gqa,
                            layout=layout, k_scale=k_scale)
-    pooled = dense_ops.pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens)
+    pooled = dense_ops.pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens,
+                                   shift=pool_shift)
     idx = dense_ops.select_keep(pooled, budget, n_sink=n_sink, window=window, seq_lens=seq_lens)
     return Compacted(idx, compact(k_cache, v_cache, block_table, seq_lens, idx, layout=layout))
 

@@ -111,12 +111,14 @@ def pool_scores(
     *,
     window: int = 32,
     seq_lens: Optional[torch.Tensor] = None,
+    shift: int = 0,
 ) -> torch.Tensor:
     """Stride-1 1-D pooling of each row's prefix [0, n-window).
 
-    Padding is kernel_size//2 on both sides of the prefix: max pooling never picks
-    padding, avg pooling counts it as zeros (always divides by kernel_size).
-    Window positions [n-window, n) are copied, positions >= n become 0.
+    Position i pools the prefix at [i - r - shift, i + r - shift], r = kernel_size//2:
+    the prefix is padded with r + shift positions before it and r - shift after it.
+    Max pooling never picks padding, avg pooling counts it as zeros (always divides
+    by kernel_size). Window positions [n-window, n) are copied, positions >= n become 0.
     """
     batch, heads, length = scores.shape
     out = torch.zeros(batch, heads, length, dtype=torch.float32)
@@ -126,11 +128,12 @@ def pool_scores(
         if prefix == 0:
             continue
         row = scores[b, :, :prefix].double().cpu()[:, None, :]  # [heads, 1, prefix]
-        pad = kernel_size // 2
+        r = kernel_size // 2
+        padded = F.pad(row, (r + shift, r - shift), value=-math.inf if mode == "max" else 0.0)
         if mode == "max":
-            pooled = F.max_pool1d(row, kernel_size, stride=1, padding=pad)
+            pooled = F.max_pool1d(padded, kernel_size, stride=1)
         else:
-            pooled = F.avg_pool1d(row, kernel_size, stride=1, padding=pad, count_include_pad=True)
+            pooled = F.avg_pool1d(padded, kernel_size, stride=1)
         out[b, :, :prefix] = pooled[:, 0, :].float()
     return out
 
@@ -211,10 +214,12 @@ def snapkv(
     gqa: str = "mean",
     lse: Optional[torch.Tensor] = None,
     seq_lens: Optional[torch.Tensor] = None,
+    pool_shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dual-stage compression: sinks + SnapKV voting, pooling, top-k, gather."""
     scores = window_scores(q, k, lse=lse, gqa=gqa, seq_lens=seq_lens)
-    pooled = pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens)
+    pooled = pool_scores(scores, kernel_size, pool, window=window, seq_lens=seq_lens,
+                         shift=pool_shift)
     idx = select_keep(pooled, budget, n_sink=n_sink, window=window, seq_lens=seq_lens)
     out_k, out_v = gather_kv(k, v, idx)
     return out_k, out_v, idx

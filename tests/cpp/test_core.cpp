@@ -145,8 +145,9 @@ void threaded_parallel_for(int64_t n, int64_t grain, void* body_ctx,
   for (auto& t : helpers) t.join();
 }
 
-// snapkv_cpu equals window_scores_cpu -> select_keep_cpu (pooled) -> gather_kv_cpu,
-// on a ragged batch (one row shorter than the budget), with and without lse.
+// snapkv_cpu equals window_scores_cpu -> select_keep_cpu (pooled, shifted) -> gather_kv_cpu,
+// on a ragged batch (one row shorter than the budget), with and without lse; with
+// select_only it writes the same positions and gathers nothing.
 void test_snapkv_matches_chained_stages(const kvprune::CpuExecutor& exec, bool with_lse) {
   const int batch = 2, hq = 4, hkv = 2, w = 4, n = 700, d = 16, budget = 90;
   const std::vector<int32_t> lens = {700, 61};
@@ -180,6 +181,7 @@ void test_snapkv_matches_chained_stages(const kvprune::CpuExecutor& exec, bool w
   se.n_sink = 2;
   se.window = w;
   se.pool_kernel_size = 5;
+  se.pool_shift = 2;
   std::vector<float> kept_k(batch * hkv * budget * d, NAN), kept_v(kept_k);
   kvprune::GatherKvParams& ga = p.gather;
   ga.k = sc.k;
@@ -223,6 +225,15 @@ void test_snapkv_matches_chained_stages(const kvprune::CpuExecutor& exec, bool w
   expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), exec) ==
              kvprune::Status::kInvalidArgument,
          "snapkv_cpu rejects parts that disagree");
+
+  p.select_only = true;  // the disagreeing gather is ignored
+  std::fill(idx.begin(), idx.end(), -7);
+  std::fill(kept_k.begin(), kept_k.end(), NAN);
+  expect(kvprune::snapkv_cpu(p, workspace.data(), workspace.size(), exec) == kvprune::Status::kOk,
+         "snapkv_cpu with select_only returns kOk");
+  expect(idx == chained_idx, "snapkv_cpu with select_only keeps what the chained stages keep");
+  expect(std::all_of(kept_k.begin(), kept_k.end(), [](float x) { return std::isnan(x); }),
+         "snapkv_cpu with select_only gathers nothing");
 }
 
 }  // namespace

@@ -147,5 +147,14 @@ class Policy:
         :func:`kvprune_cuda.select_keep`. Both must keep the same tokens."""
         return None
 
+    def select_indices(self, queries: Optional[torch.Tensor], keys: torch.Tensor, kept: int, *,
+                       scale: Optional[float] = None,
+                       seq_lens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """:meth:`select` without the gather, for integrations that compact their own cache
+        in place (``kp.vllm``): int32 ``[B, Hkv, kept]`` ascending positions of ``keys``
+        [B, Hkv, n, D] to keep, from one fused op (softmax ``scale``, None: 1/sqrt(D)); None
+        (the default) when the policy has none. It must keep what :meth:`select` keeps."""
+        return None
+
     def to_config(self) -> dict:
         return {"policy": self.name, **asdict(self)}

@@ -7,11 +7,10 @@ from typing import ClassVar, Optional
 
 import torch
 
-from kvprune_cuda._ops import window_scores
+from kvprune_cuda._ops import pool_scores, window_scores
 from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
 from kvprune_cuda.policy.novelty import reserve_novel
-from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.reserve import reserve_top
 from kvprune_cuda.policy.registry import register
 
@@ -29,7 +28,7 @@ class KVzip(Policy):
     tokens, KVzip's own; "all": every key the query sees). Protects only the sinks by
     default (``window=0``), as KVzip does. ``kernel_size`` > 1 pools the maxima before they
     are ranked, as SnapKV pools its votes (``pool``, ``pool_shift``:
-    :func:`~kvprune_cuda.policy.pooling.shifted_pool`); 1, the default, ranks them as they
+    :func:`kvprune_cuda.pool_scores`); 1, the default, ranks them as they
     are. ``head_floor``: the share of each head's budget that goes first to its own largest
     maxima, whatever the other heads score (AdaKV's safeguard: under a budget shared across
     heads, "head" or "global" scope, no head falls below it; alone, with one count per head
@@ -72,7 +71,8 @@ class KVzip(Policy):
                       keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         s = recorded
         if self.kernel_size > 1:
-            s = shifted_pool(recorded, self.kernel_size, self.pool, self.pool_shift, self.window)
+            s = pool_scores(recorded, self.kernel_size, self.pool, window=self.window,
+                            shift=self.pool_shift)
         kept = self.kept_tokens(recorded.shape[-1])
         s = reserve_top(s, s, int(self.head_floor * kept))
         if self.novelty == 0.0:

@@ -7,10 +7,9 @@ from typing import ClassVar, Optional
 
 import torch
 
-from kvprune_cuda._ops import snapkv, window_scores
+from kvprune_cuda._ops import pool_scores, snapkv, snapkv_select, window_scores
 from kvprune_cuda._args import check_int, check_str
 from kvprune_cuda.policy.base import GQA, Policy, check_shift
-from kvprune_cuda.policy.pooling import shifted_pool
 from kvprune_cuda.policy.registry import register
 
 DEFAULT_KERNEL = 49  # the pool's width and shift by default: a pool over [i - 40, i + 8]
@@ -58,12 +57,26 @@ class SnapKV(Policy):
 
     def score(self, queries, keys, *, scale=None, seq_lens=None) -> torch.Tensor:
         s = window_scores(queries, keys, scale=scale, gqa=self.gqa, seq_lens=seq_lens)
-        return shifted_pool(s, self.kernel_size, self.pool, self.shift, self.window, seq_lens)
+        return pool_scores(s, self.kernel_size, self.pool, window=self.window, seq_lens=seq_lens,
+                           shift=self.shift)
 
     def select(self, queries, keys, values, kept, *, seq_lens=None):
-        """The fused ``kp.snapkv`` (unshifted pools, and only if ``score`` is this class's)."""
-        if self.shift or type(self).score is not SnapKV.score:
+        """The fused ``kp.snapkv`` (every kernel and shift), unless a subclass overrides
+        ``score``: then None, and the integration ranks that ``score``."""
+        fused = self._fused_options()
+        return None if fused is None else snapkv(queries, keys, values, kept,
+                                                 seq_lens=seq_lens, **fused)
+
+    def select_indices(self, queries, keys, kept, *, scale=None, seq_lens=None):
+        """The fused ``kp.snapkv_select``, when :meth:`select` is fused."""
+        fused = self._fused_options()
+        return None if fused is None else snapkv_select(queries, keys, kept, scale=scale,
+                                                        seq_lens=seq_lens, **fused)
+
+    def _fused_options(self) -> Optional[dict]:
+        """The fused ops' keyword arguments for this policy; None when a subclass overrides
+        ``score`` (which they would not compute)."""
+        if type(self).score is not SnapKV.score:
             return None
-        return snapkv(queries, keys, values, kept, n_sink=self.n_sink, window=self.window,
-                      kernel_size=self.kernel_size, pool=self.pool, gqa=self.gqa,
-                      seq_lens=seq_lens)
+        return dict(n_sink=self.n_sink, window=self.window, kernel_size=self.kernel_size,
+                    pool=self.pool, gqa=self.gqa, pool_shift=self.shift)
