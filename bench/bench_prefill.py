@@ -12,7 +12,8 @@ One config = (N, lse given or not). Rows per config:
 Columns: median (and min) time, speedups vs kvpress_style (no-lse rows) and vs torch_best in
 the same lse mode (+lse rows: torch_best+lse, like for like), time over the FMA roofline (CPU:
 the score products' 2·Hq·W·N·D flops at the fp32 FMA rate bench/roofline.py measures in this
-run) and over torch.mm, GB/s under the DESIGN.md §5 bytes model and % of the measured device
+run, for bf16 inputs too: on a CPU with bf16 dot products those run at up to twice that rate,
+printed beside it) and over torch.mm, GB/s under the DESIGN.md §5 bytes model and % of the measured device
 copy bandwidth (CUDA), peak extra memory and (CPU) the workspace left resident after the call,
 overlap of the kept set with torch_best.
 
@@ -536,7 +537,9 @@ def main(argv=None) -> int:
     if fma:
         print(f"fp32 FMA roofline at the start (bench/fma_probe.c, {fma['isa']}): "
               f"{fma['gflops_1t']:.1f} GFLOP/s on 1 thread, {fma['gflops']:.1f} GFLOP/s on "
-              f"{fma['threads']} threads (measured again at the end; rows use the higher)")
+              f"{fma['threads']} threads (measured again at the end; rows use the higher)"
+              + (f"; bf16 dot products (vdpbf16ps): {fma['bf16_gflops']:.1f} GFLOP/s"
+                 if fma["bf16_gflops"] else ""))
 
     all_rows: list[dict] = []
     for n in args.n:

@@ -1,11 +1,13 @@
-/* FMA roofline probe: the fp32 multiply-add rate one core and all cores reach.
+/* FMA roofline probe: the fp32 multiply-add rate one core and all cores reach, and the bf16
+ * dot-product rate where the CPU has one (AVX512-BF16 vdpbf16ps).
  *
  * Built on the fly by bench/roofline.py with the system C compiler (-O2 plus -mavx512f -mfma,
- * or -mavx2 -mfma, as the CPU offers) and loaded with ctypes; never part of the package.
- * Each thread runs ACC independent accumulator registers through `iters` rounds of
- * acc = acc * m + a (one FMA per accumulator per round), so the FMA units never wait on a
- * previous result (ACC >= latency x FMA ports: 4 cycles x 2 ports = 8 on current x86 cores).
- * flops = 2 * lanes * ACC * iters * threads.
+ * or -mavx2 -mfma, as the CPU offers, and -mavx512bf16 where it has it) and loaded with
+ * ctypes; never part of the package. Each thread runs ACC independent accumulator registers
+ * through `iters` rounds of acc = acc * m + a (one FMA per accumulator per round), so the FMA
+ * units never wait on a previous result (ACC >= latency x FMA ports: 4 cycles x 2 ports = 8 on
+ * current x86 cores). flops = 2 * lanes * ACC * iters * threads. The bf16 probe runs
+ * acc = vdpbf16ps(acc, a, b) the same way: 4 flops per fp32 lane (two products, two adds).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -64,8 +66,27 @@ static void* run(void* arg) {
 /* Lanes of one vector FMA in this build (16: AVX-512, 8: AVX2, 1: scalar). */
 int fma_lanes(void) { return LANES; }
 
-/* GFLOP/s of `threads` threads each running `iters` rounds (wall time of the slowest). */
-double fma_gflops(int threads, int64_t iters) {
+#if defined(__AVX512BF16__)
+static void* run_bf16(void* arg) {
+  struct job* j = (struct job*)arg;
+  __m512 acc[ACC];
+  for (int i = 0; i < ACC; ++i) acc[i] = _mm512_set1_ps(j->seed + (float)i);
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(j->seed), _mm512_set1_ps(j->seed));
+  for (int64_t it = 0; it < j->iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < ACC; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  float s = 0.f;
+  for (int i = 0; i < ACC; ++i) s += _mm512_reduce_add_ps(acc[i]);
+  j->result = s;
+  return 0;
+}
+#endif
+
+/* GFLOP/s of `threads` threads each running `body` for `iters` rounds of `flops_per_round`
+ * (wall time of the slowest). */
+static double timed(void* (*body)(void*), int threads, int64_t iters, double flops_per_round) {
   pthread_t tid[256];
   struct job jobs[256];
   if (threads < 1) threads = 1;
@@ -75,15 +96,28 @@ double fma_gflops(int threads, int64_t iters) {
   for (int t = 0; t < threads; ++t) {
     jobs[t].iters = iters;
     jobs[t].seed = 1.0f + (float)t;
-    if (t > 0) pthread_create(&tid[t], 0, run, &jobs[t]);
+    if (t > 0) pthread_create(&tid[t], 0, body, &jobs[t]);
   }
-  run(&jobs[0]);
+  body(&jobs[0]);
   for (int t = 1; t < threads; ++t) pthread_join(tid[t], 0);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-  double flops = 2.0 * LANES * ACC * (double)iters * threads;
   volatile float sink = 0.f;
   for (int t = 0; t < threads; ++t) sink += jobs[t].result;
   (void)sink;
-  return flops / sec / 1e9;
+  return flops_per_round * (double)iters * threads / sec / 1e9;
+}
+
+/* fp32 FMA GFLOP/s of `threads` threads each running `iters` rounds. */
+double fma_gflops(int threads, int64_t iters) { return timed(run, threads, iters, 2.0 * LANES * ACC); }
+
+/* bf16 dot-product GFLOP/s (vdpbf16ps; 0 in a build without AVX512-BF16), rounds as above. */
+double bf16_gflops(int threads, int64_t iters) {
+#if defined(__AVX512BF16__)
+  return timed(run_bf16, threads, iters, 4.0 * 16 * ACC);
+#else
+  (void)threads;
+  (void)iters;
+  return 0.0;
+#endif
 }

@@ -1,4 +1,5 @@
-"""The machine's fp32 FMA roofline, measured: bench/fma_probe.c built on the fly and timed.
+"""The machine's fp32 FMA roofline, measured: bench/fma_probe.c built on the fly and timed; where
+the CPU has bf16 dot products (AVX512-BF16), their rate too (the bf16 roofline).
 
     python bench/roofline.py                 # prints GFLOP/s on 1 thread and on N threads
 
@@ -38,7 +39,7 @@ def _cpu_flags() -> set[str]:
 def isa_flags() -> list[str]:
     flags = _cpu_flags()
     if "avx512f" in flags:
-        return ["-mavx512f", "-mfma"]
+        return ["-mavx512f", "-mfma"] + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
     if "avx2" in flags and "fma" in flags:
         return ["-mavx2", "-mfma"]
     return []
@@ -61,28 +62,36 @@ class Probe:
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvprune-fma-")
         self.lib = ctypes.CDLL(str(build(Path(self._dir.name))))
-        self.lib.fma_gflops.restype = ctypes.c_double
-        self.lib.fma_gflops.argtypes = [ctypes.c_int, ctypes.c_int64]
+        for probe in (self.lib.fma_gflops, self.lib.bf16_gflops):
+            probe.restype = ctypes.c_double
+            probe.argtypes = [ctypes.c_int, ctypes.c_int64]
         self.lanes = int(self.lib.fma_lanes())
+        self.has_bf16 = self.lib.bf16_gflops(1, 1) > 0
 
-    def gflops(self, threads: int, seconds: float = 0.3, tries: int = 3) -> float:
-        """Best of ``tries`` runs of about ``seconds`` each."""
+    def gflops(self, threads: int, seconds: float = 0.3, tries: int = 3, kind: str = "fp32") -> float:
+        """Best of ``tries`` runs of about ``seconds`` each; ``kind`` "fp32" (FMA) or "bf16"
+        (dot products; 0 where the CPU has none)."""
+        probe = self.lib.bf16_gflops if kind == "bf16" else self.lib.fma_gflops
         iters = 1 << 16
         while True:  # calibrate to about `seconds`
-            rate = self.lib.fma_gflops(threads, iters)
-            elapsed = 2.0 * self.lanes * 16 * iters * threads / (rate * 1e9)
+            rate = probe(threads, iters)
+            if rate <= 0:
+                return 0.0
+            elapsed = iters * threads / (rate * 1e9) * (64.0 if kind == "bf16" else 2.0 * self.lanes) * 16
             if elapsed > seconds / 4:
                 break
             iters *= 4
         iters = max(1, int(iters * seconds / elapsed))
-        return max(self.lib.fma_gflops(threads, iters) for _ in range(tries))
+        return max(probe(threads, iters) for _ in range(tries))
 
 
 def measure(threads: int) -> dict:
-    """{"lanes", "gflops_1t", "gflops": on ``threads`` threads, "threads", "isa"}."""
+    """{"lanes", "gflops_1t", "gflops": on ``threads`` threads, "threads", "isa", and the bf16
+    dot-product rates "bf16_gflops_1t", "bf16_gflops" (0 where the CPU has none)}."""
     p = Probe()
     return {"isa": " ".join(isa_flags()) or "scalar", "lanes": p.lanes, "threads": threads,
-            "gflops_1t": p.gflops(1), "gflops": p.gflops(threads)}
+            "gflops_1t": p.gflops(1), "gflops": p.gflops(threads),
+            "bf16_gflops_1t": p.gflops(1, kind="bf16"), "bf16_gflops": p.gflops(threads, kind="bf16")}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -93,6 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     r = measure(threads)
     print(f"fp32 FMA roofline ({r['isa']}, {r['lanes']} lanes): {r['gflops_1t']:.1f} GFLOP/s on 1 "
           f"thread, {r['gflops']:.1f} GFLOP/s on {threads} threads; load {os.getloadavg()[0]:.2f}")
+    if r["bf16_gflops_1t"]:
+        print(f"bf16 dot-product roofline (vdpbf16ps): {r['bf16_gflops_1t']:.1f} GFLOP/s on 1 thread, "
+              f"{r['bf16_gflops']:.1f} GFLOP/s on {threads} threads")
     return 0
 
 

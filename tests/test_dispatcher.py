@@ -4,6 +4,8 @@ with fullgraph=True, and build_info()."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import platform
 
 import pytest
 import torch
@@ -123,6 +125,24 @@ def test_build_info():
         installed = None  # running from a source tree
     if installed is not None:
         assert installed == info["version"]
+
+
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                    set())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"),
+                    reason="x86-64 Linux only (/proc/cpuinfo)")
+def test_build_info_names_the_cpu_kernels_the_cpu_supports():
+    """The CPU window_scores kernels chosen at run time are the best /proc/cpuinfo allows: bf16
+    dot products (vdpbf16ps) where it lists avx512_bf16."""
+    flags = _cpu_flags()
+    avx512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags
+    expected = ("avx512bf16" if avx512 and "avx512_bf16" in flags else "avx512" if avx512
+                else "avx2" if {"avx2", "fma", "f16c"} <= flags else "baseline")
+    assert kp.build_info()["cpu_kernels"] == expected
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")

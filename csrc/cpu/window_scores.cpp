@@ -224,7 +224,7 @@ Status window_scores_cpu(const WindowScoresParams& p, void* workspace, size_t wo
       float* out = p.scores + (b * p.kv_heads + g) * score_row_length(p);
       cpu::finish_row_tail(p, len, out);
       if (len == 0) continue;
-      cpu::pack_query_rows(p, b, g, 0, mp, ws.q_packed);
+      cpu::pack_query_rows(p, b, g, 0, mp, cpu::bf16_pairs(p, kernels), ws.q_packed);
       const HeadJob job{&p, &kernels, &ws, b, g, len, mp, out, buffers};
       if (p.lse != nullptr) {
         cpu::load_lse(p, b, g, mp, ws.lse2);

@@ -1,5 +1,6 @@
 // window_scores inner kernels for the avx512 instruction set (flags set in CMakeLists.txt).
 #define KVPRUNE_ISA_NAMESPACE isa_avx512
+#define KVPRUNE_ISA_NAME "avx512"
 #define KVPRUNE_LANES 16
 #define KVPRUNE_ROW_VECS 4
 #include "cpu/window_scores_isa.h"

@@ -1,6 +1,7 @@
 // Definitions of the window_scores inner kernels (see window_scores_kernels.h),
 // compiled once per instruction set. The including .cpp defines
 //   KVPRUNE_ISA_NAMESPACE  a namespace unique to its instruction set
+//   KVPRUNE_ISA_NAME       its name, as kvprune::cpu_kernels() reports it
 //   KVPRUNE_LANES          floats per vector register (16, 8 or 4)
 //   KVPRUNE_ROW_VECS       row vectors per register block (MR)
 // and then instantiates `kernels()` under that namespace.
@@ -10,8 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -124,31 +126,92 @@ inline void logits_block(const float* q_packed, int64_t mp, int64_t head_dim,
       simd::store<kLanes>(tile + (key0 + n) * mp + row0 + m * kLanes, acc[m][n]);
 }
 
-// Keys of rows [row0, row0 + kRowVecs * kLanes); register block b of this pass is
-// background step first_step + b of `steps`.
-template <int kRowVecs>
-void logits_rows(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-                 int64_t k_stride, int64_t num_keys, int64_t row0, float* tile,
-                 const BackgroundWork& background, int64_t first_step, int64_t steps) {
-  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock)
-    logits_block<kRowVecs>(q_packed, mp, head_dim, k_chunk, k_stride, key0, row0, tile, background,
-                           (first_step + key0 / kKeyBlock) * kSlicesPerBlock, steps * kSlicesPerBlock);
-}
-
-void logits(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
-            int64_t k_stride, int64_t num_keys, float* tile, const BackgroundWork& background) {
+// Calls block(std::integral_constant<int, R>, row0, key0, first_slice, slices) for every
+// register block of an [num_keys][mp] tile, in order: full blocks of KVPRUNE_ROW_VECS row
+// vectors, then the leftover row vectors one at a time (R = 1); each key block in turn. Block
+// b of the walk does background parts [b * kSlicesPerBlock, (b + 1) * kSlicesPerBlock) of
+// `slices`.
+template <class Block>
+void over_register_blocks(int64_t mp, int64_t num_keys, Block block) {
   constexpr int kBlock = KVPRUNE_ROW_VECS;
   const int64_t row_vecs = mp / kLanes;
   const int64_t passes = row_vecs / kBlock + row_vecs % kBlock;  // full blocks, then leftovers
   const int64_t blocks = num_keys / kKeyBlock;
+  const int64_t slices = passes * blocks * kSlicesPerBlock;
   int64_t v = 0, pass = 0;
-  for (; v + kBlock <= row_vecs; v += kBlock, ++pass)
-    logits_rows<kBlock>(q_packed, mp, head_dim, k_chunk, k_stride, num_keys, v * kLanes, tile, background,
-                        pass * blocks, passes * blocks);
-  for (; v < row_vecs; ++v, ++pass)  // leftover row vectors, one at a time
-    logits_rows<1>(q_packed, mp, head_dim, k_chunk, k_stride, num_keys, v * kLanes, tile, background,
-                   pass * blocks, passes * blocks);
+  auto rows = [&](auto vecs) {
+    for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyBlock)
+      block(vecs, v * kLanes, key0, (pass * blocks + key0 / kKeyBlock) * kSlicesPerBlock, slices);
+  };
+  for (; v + kBlock <= row_vecs; v += kBlock, ++pass) rows(std::integral_constant<int, kBlock>{});
+  for (; v < row_vecs; ++v, ++pass) rows(std::integral_constant<int, 1>{});
 }
+
+void logits(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
+            int64_t k_stride, int64_t num_keys, float* tile, const BackgroundWork& background) {
+  over_register_blocks(mp, num_keys, [&](auto vecs, int64_t row0, int64_t key0,
+                                         int64_t first_slice, int64_t slices) {
+    logits_block<decltype(vecs)::value>(q_packed, mp, head_dim, k_chunk, k_stride, key0, row0,
+                                        tile, background, first_slice, slices);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// One MR x NR register block of bf16 pair dot products (vdpbf16ps): rows [row0, row0 +
+// kRowVecs*16), keys [key0, key0+6), with background parts [first_slice, first_slice +
+// kSlicesPerBlock) of `slices`; the sums scaled by `factor` on the way out.
+template <int kRowVecs>
+inline void logits_bf16_block(const uint32_t* q_pairs, int64_t mp, int64_t pairs,
+                              const uint16_t* k_chunk, int64_t k_stride, int64_t key0,
+                              int64_t row0, float factor, float* tile,
+                              const BackgroundWork& background, int64_t first_slice,
+                              int64_t slices) {
+  static_assert(kLanes == 16, "vdpbf16ps on zmm registers: 16 rows per vector");
+  __m512 acc[kRowVecs][kKeyBlock];
+#pragma GCC unroll 8
+  for (int m = 0; m < kRowVecs; ++m)
+#pragma GCC unroll 8
+    for (int n = 0; n < kKeyBlock; ++n) acc[m][n] = _mm512_setzero_ps();
+  const uint16_t* k_rows = k_chunk + key0 * k_stride;
+  for (int64_t quarter = 0; quarter < kSlicesPerBlock; ++quarter) {
+    const int64_t e_end = pairs * (quarter + 1) / kSlicesPerBlock;
+    for (int64_t e = pairs * quarter / kSlicesPerBlock; e < e_end; ++e) {
+      __m512bh q[kRowVecs];
+#pragma GCC unroll 8
+      for (int m = 0; m < kRowVecs; ++m)
+        q[m] = (__m512bh)_mm512_loadu_si512(q_pairs + e * mp + row0 + m * kLanes);
+#pragma GCC unroll 8
+      for (int n = 0; n < kKeyBlock; ++n) {
+        uint32_t pair;
+        std::memcpy(&pair, k_rows + n * k_stride + 2 * e, sizeof(pair));
+        const __m512bh k_pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+        for (int m = 0; m < kRowVecs; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], q[m], k_pair);
+      }
+    }
+    background_slice(background, first_slice + quarter, slices);
+  }
+  const __m512 scale = _mm512_set1_ps(factor);
+#pragma GCC unroll 8
+  for (int n = 0; n < kKeyBlock; ++n)
+#pragma GCC unroll 8
+    for (int m = 0; m < kRowVecs; ++m)
+      _mm512_storeu_ps(tile + (key0 + n) * mp + row0 + m * kLanes, _mm512_mul_ps(acc[m][n], scale));
+}
+
+void logits_bf16(const uint32_t* q_pairs, int64_t mp, int64_t pairs, const uint16_t* k_chunk,
+                 int64_t k_stride, int64_t num_keys, float factor, float* tile,
+                 const BackgroundWork& background) {
+  over_register_blocks(mp, num_keys, [&](auto vecs, int64_t row0, int64_t key0,
+                                         int64_t first_slice, int64_t slices) {
+    logits_bf16_block<decltype(vecs)::value>(q_pairs, mp, pairs, k_chunk, k_stride, key0, row0,
+                                             factor, tile, background, first_slice, slices);
+  });
+}
+constexpr auto kLogitsBf16 = logits_bf16;
+#else
+constexpr decltype(WindowScoresKernels::logits_bf16) kLogitsBf16 = nullptr;
+#endif
 
 void softmax_stats(float* tile, int64_t mp, int64_t num_keys, float* chunk_max, float* chunk_sum) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -257,8 +320,10 @@ void column_max(const float* tile, int64_t block_rows, int64_t num_keys, int64_t
 }  // namespace
 
 const WindowScoresKernels& kernels() {
-  static const WindowScoresKernels table{pack_keys, logits, softmax_stats, chunk_weights, stream_copy,
-                                          exp_minus, reduce_columns, column_max};
+  static const WindowScoresKernels table{KVPRUNE_ISA_NAME,
+                                          pack_keys,     logits,      kLogitsBf16,
+                                          softmax_stats, chunk_weights, stream_copy,
+                                          exp_minus,     reduce_columns, column_max};
   return table;
 }
 

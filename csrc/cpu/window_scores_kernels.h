@@ -1,12 +1,15 @@
 // Inner kernels of the CPU window_scores op. The driver (window_scores.cpp) owns
-// the loops over heads and key chunks and calls one of three compiled variants of
-// these kernels (AVX-512, AVX2, baseline) chosen at run time.
+// the loops over heads and key chunks and calls one of four compiled variants of
+// these kernels (AVX-512 with and without BF16, AVX2, baseline) chosen at run time.
 //
 // Layouts used by every kernel (Mp = query rows padded to a multiple of 16):
 //   q_packed [D][Mp]     fp32, row r = (query head in group) * W + window index,
 //                        pre-multiplied by scale * log2(e) so logits are base-2
 //   k_chunk  [keys][D]   fp32 K rows of one chunk (a copy, or fp32 K in place, strided)
 //   tile     [keys][Mp]  fp32 base-2 logits, one key per Mp-long line
+// bf16 Q and K on an AVX512-BF16 host (logits_bf16) use instead
+//   q_pairs  [D/2][Mp]   uint32 bf16 pairs (element 2e in the low half), unscaled
+//   k_chunk  [keys][D]   bf16 K rows (a copy, or K in place, strided)
 #pragma once
 
 #include <cstdint>
@@ -42,6 +45,7 @@ struct BackgroundWork {
 };
 
 struct WindowScoresKernels {
+  const char* name;  // the instruction set: "avx512bf16", "avx512", "avx2" or "baseline"
   // k_chunk[j][:] = fp32(k[j * token_stride + :]) for j < num_keys, zero rows up to padded_keys.
   void (*pack_keys)(const void* k, int64_t token_stride, DType dtype, int64_t head_dim,
                     int64_t num_keys, int64_t padded_keys, float* k_chunk);
@@ -50,6 +54,12 @@ struct WindowScoresKernels {
   // copy or, for fp32 K, the K rows themselves.
   void (*logits)(const float* q_packed, int64_t mp, int64_t head_dim, const float* k_chunk,
                  int64_t k_stride, int64_t num_keys, float* tile, const BackgroundWork& background);
+  // The same from bf16 pairs (null where the CPU has no bf16 dot product):
+  // tile[j][r] = factor * sum_e q_pairs[e][r] . k_chunk[j * k_stride + 2e, +1] (D = 2 * pairs),
+  // each product exact, summed in fp32 (vdpbf16ps; bf16 denormals count as 0).
+  void (*logits_bf16)(const uint32_t* q_pairs, int64_t mp, int64_t pairs,
+                      const uint16_t* k_chunk, int64_t k_stride, int64_t num_keys, float factor,
+                      float* tile, const BackgroundWork& background);
   // In place, per row r: chunk_max[r] = max_j tile[j][r] (-inf if all masked), then
   // tile[j][r] = 2^(tile[j][r] - chunk_max[r]) (0 for masked) and
   // chunk_sum[r] = sum_j tile[j][r].
@@ -82,6 +92,7 @@ struct WindowScoresKernels {
 const WindowScoresKernels& best_window_scores_kernels();
 
 // Individual variants (defined in window_scores_<isa>.cpp).
+const WindowScoresKernels& window_scores_kernels_avx512bf16();
 const WindowScoresKernels& window_scores_kernels_avx512();
 const WindowScoresKernels& window_scores_kernels_avx2();
 const WindowScoresKernels& window_scores_kernels_baseline();

@@ -191,7 +191,8 @@ void window_scores_qmax(const WindowScoresParams& p, const WindowScoresKernels& 
       finish_row_tail(p, len, out);
       if (len == 0) continue;
       for (int64_t k = 0; k < z.blocks; ++k)
-        pack_query_rows(p, b, g, k * z.block, z.block_rows(k), ws.q_blocks + k * p.head_dim * z.block);
+        pack_query_rows(p, b, g, k * z.block, z.block_rows(k), bf16_pairs(p, kernels),
+                        ws.q_blocks + k * p.head_dim * z.block);
       const HeadView head{&p, &kernels, b, g, len};
       if (p.lse != nullptr) {
         load_lse(p, b, g, z.mp, ws.lse2);

@@ -1,6 +1,7 @@
 #include "cpu/window_scores_rows.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "cpu/half.h"
@@ -27,19 +28,49 @@ void apply_causal_mask(const HeadView& head, int64_t row0, int64_t block_rows, i
   }
 }
 
+// What turns a query-key dot product into a base-2 logit: scale * log2(e), times K's
+// dequantisation scale, which folds into the queries: q.(s k) = (s q).k.
+float logit_factor(const WindowScoresParams& p, int64_t g) {
+  const float k_scale = p.k_scale == nullptr ? 1.f : p.k_scale[p.k_scale_count == 1 ? 0 : g];
+  return p.scale * k_scale * kLog2e;
+}
+
+// Copies `count` consecutive key rows from `first` (runs within one block of a paged cache) as
+// `pack(src, rows, fill, dst_row)` packs them: rows [j, j + rows) to dst rows [j, j + fill), the
+// last run zero-filled up to `padded`.
+template <class Pack>
+void pack_key_runs(const HeadView& head, int64_t first, int64_t count, int64_t padded, Pack pack) {
+  for (int64_t j = 0; j < count;) {
+    const int64_t run = std::min(count - j, contiguous_tokens(head.p->k, first + j));
+    pack(head.key(first + j), run, j + run == count ? padded - j : run, j);
+    j += run;
+  }
+}
+
 }  // namespace
 
+bool bf16_pairs(const WindowScoresParams& p, const WindowScoresKernels& kernels) {
+  return kernels.logits_bf16 != nullptr && p.dtype == DType::kBFloat16 &&
+         key_dtype(p) == DType::kBFloat16 && p.head_dim % 2 == 0;
+}
+
 void pack_query_rows(const WindowScoresParams& p, int64_t b, int64_t g, int64_t row0,
-                     int64_t block_rows, float* q_block) {
+                     int64_t block_rows, bool pairs, float* q_block) {
   const int64_t group = p.q_heads / p.kv_heads;
   const int64_t rows = std::min(group * p.window, row0 + block_rows);
-  // The keys' dequantisation scale folds into the queries: q.(s k) = (s q).k.
-  const float k_scale = p.k_scale == nullptr ? 1.f : p.k_scale[p.k_scale_count == 1 ? 0 : g];
-  const float factor = p.scale * k_scale * kLog2e;
-  std::fill(q_block, q_block + p.head_dim * block_rows, 0.f);
+  const float factor = logit_factor(p, g);
+  std::fill(q_block, q_block + p.head_dim * block_rows, 0.f);  // pairs need half of it
+  auto* q_pairs = reinterpret_cast<uint32_t*>(q_block);          // [D/2][block_rows]
+  const auto* bits = static_cast<const uint16_t*>(p.q.data);
   for (int64_t r = row0; r < rows; ++r) {
     const int64_t h = r / p.window, i = r % p.window;
     const int64_t src = b * p.q.batch_stride + (g * group + h) * p.q.head_stride + i * p.q.token_stride;
+    if (pairs) {
+      for (int64_t e = 0; e < p.head_dim / 2; ++e)
+        q_pairs[e * block_rows + r - row0] =
+            bits[src + 2 * e] | static_cast<uint32_t>(bits[src + 2 * e + 1]) << 16;
+      continue;
+    }
     for (int64_t d = 0; d < p.head_dim; ++d)
       q_block[d * block_rows + r - row0] = load_as_float(p.q.data, src + d, p.dtype) * factor;
   }
@@ -52,18 +83,31 @@ void chunk_logits(const HeadView& head, const float* q_block, int64_t row0, int6
   const DType k_dtype = key_dtype(p);
   const int64_t padded = (count + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const int64_t row_stride = p.k.token_stride * dtype_size(k_dtype);
-  // fp32 K is read in place unless the chunk needs zero padding or spans blocks of a
-  // paged cache; others are converted, one run of consecutive rows (a block) at a time.
-  const float* k_chunk = reinterpret_cast<const float*>(head.key(first));
+  const bool pairs = bf16_pairs(p, *head.kernels);
+  // K is read in place (fp32, or bf16 pairs) unless the chunk needs zero padding or spans
+  // blocks of a paged cache; otherwise copied (converted to fp32 without pairs), one run of
+  // consecutive rows (a block) at a time.
+  const bool in_place = (pairs || k_dtype == DType::kFloat32) && padded == count &&
+                        contiguous_tokens(p.k, first) >= count;
+  const void* k_chunk = head.key(first);
   int64_t k_stride = p.k.token_stride;
-  if (k_dtype != DType::kFloat32 || padded != count || contiguous_tokens(p.k, first) < count) {
-    for (int64_t j = 0; j < count;) {
-      const int64_t run = std::min(count - j, contiguous_tokens(p.k, first + j));
-      const int64_t fill = j + run == count ? padded - j : run;  // the last run zero-pads
-      head.kernels->pack_keys(head.key(first + j), p.k.token_stride, k_dtype, p.head_dim, run,
-                              fill, keys + j * p.head_dim);
-      j += run;
-    }
+  if (!in_place && pairs) {
+    auto* rows = reinterpret_cast<uint16_t*>(keys);  // [padded][D] bf16
+    pack_key_runs(head, first, count, padded, [&](const char* src, int64_t run, int64_t fill,
+                                                  int64_t j) {
+      uint16_t* dst = rows + j * p.head_dim;
+      for (int64_t t = 0; t < run; ++t)
+        std::memcpy(dst + t * p.head_dim, src + t * row_stride, p.head_dim * sizeof(uint16_t));
+      std::fill(dst + run * p.head_dim, dst + fill * p.head_dim, uint16_t{0});
+    });
+  } else if (!in_place) {
+    pack_key_runs(head, first, count, padded, [&](const char* src, int64_t run, int64_t fill,
+                                                  int64_t j) {
+      head.kernels->pack_keys(src, p.k.token_stride, k_dtype, p.head_dim, run, fill,
+                              keys + j * p.head_dim);
+    });
+  }
+  if (!in_place) {
     k_chunk = keys;
     k_stride = p.head_dim;
   }
@@ -74,7 +118,14 @@ void chunk_logits(const HeadView& head, const float* q_block, int64_t row0, int6
   next.base = next.rows > 0 ? head.key(next_first) : nullptr;
   next.stride_bytes = row_stride;
   next.row_bytes = p.head_dim * dtype_size(k_dtype);
-  head.kernels->logits(q_block, block_rows, p.head_dim, k_chunk, k_stride, padded, tile, background);
+  if (pairs) {
+    head.kernels->logits_bf16(reinterpret_cast<const uint32_t*>(q_block), block_rows,
+                              p.head_dim / 2, static_cast<const uint16_t*>(k_chunk), k_stride,
+                              padded, logit_factor(p, head.g), tile, background);
+  } else {
+    head.kernels->logits(q_block, block_rows, p.head_dim, static_cast<const float*>(k_chunk),
+                         k_stride, padded, tile, background);
+  }
   apply_causal_mask(head, row0, block_rows, first, count, tile);
 }
 

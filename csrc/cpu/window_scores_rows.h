@@ -28,14 +28,21 @@ struct HeadView {
   }
 };
 
-// q_block[d][r - row0] = q[b, g*G + r/W, r%W, d] * scale * k_scale[g] * log2(e) for packed rows
-// r in [row0, row0 + block_rows); padding rows are 0. q_block: [D][block_rows].
+// Whether the logits of p run on bf16 pairs (kernels.logits_bf16: the host has bf16 dot
+// products, Q and K are bf16 and D is even); then q blocks hold pairs, not fp32 rows.
+bool bf16_pairs(const WindowScoresParams& p, const WindowScoresKernels& kernels);
+
+// fp32: q_block[d][r - row0] = q[b, g*G + r/W, r%W, d] * scale * k_scale[g] * log2(e) for
+// packed rows r in [row0, row0 + block_rows), q_block [D][block_rows]. With `pairs` (see
+// bf16_pairs) instead the unscaled bf16 pairs (q[.., 2e], q[.., 2e+1]) as uint32 [D/2][block_rows]
+// in the same buffer (the logits kernel scales). Padding rows are 0.
 void pack_query_rows(const WindowScoresParams& p, int64_t b, int64_t g, int64_t row0,
-                     int64_t block_rows, float* q_block);
+                     int64_t block_rows, bool pairs, float* q_block);
 
 // Base-2 logits of keys [first, first + count) against packed rows [row0, row0 +
-// block_rows) into tile [kChunkKeys][block_rows], causally masked (-inf where query
-// i does not see key j, i.e. j > len - W + i). keys: [kChunkKeys][D] scratch.
+// block_rows) (q_block as pack_query_rows wrote it, pairs if bf16_pairs) into tile
+// [kChunkKeys][block_rows], causally masked (-inf where query i does not see key j, i.e.
+// j > len - W + i). keys: [kChunkKeys][D] fp32 scratch.
 // `background` (whose next_keys this fills in) runs during the arithmetic.
 void chunk_logits(const HeadView& head, const float* q_block, int64_t row0, int64_t block_rows,
                   int64_t first, int64_t count, float* keys, float* tile,

@@ -20,6 +20,7 @@ namespace kvprune {
 const char* version();
 bool cuda_compiled();          // CUDA kernels are part of this build
 const char* cuda_archs();      // e.g. "80;90a", empty when CUDA is not compiled
+const char* cpu_kernels();     // the CPU window_scores kernels this CPU runs: "avx512bf16", "avx512", "avx2" or "baseline"
 
 // ---- CPU backend ---------------------------------------------------------------
 size_t window_scores_workspace_bytes_cpu(const WindowScoresParams& p, const CpuExecutor& exec);

@@ -15,9 +15,10 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_archs"] = kvprune::cuda_archs();
     info["cuda_emulator"] = kvprune::emu::compiled();  // CUDA kernels runnable on the CPU
     info["torch"] = KVPRUNE_TORCH_VERSION;  // the torch it was compiled against
+    info["cpu_kernels"] = kvprune::cpu_kernels();  // chosen for this CPU at run time
     return info;
   }, "Version, whether CUDA kernels (and their emulator) are compiled in, and for which "
-     "architectures.");
+     "architectures; the CPU kernels this machine runs.");
   // Backs kvprune_cuda.testing.emulate_cuda(); schedule: 0 forward, 1 reverse, 2 shuffled.
   m.def("_set_cuda_emulation", [](bool enabled, int schedule, uint64_t seed, int sm_count,
                                   int host_threads, bool slow_worker) {
