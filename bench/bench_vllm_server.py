@@ -11,12 +11,15 @@ server with ``kp.vllm.server_args("snapkv", --budget)``), one server
 (``python -m vllm.entrypoints.openai.api_server``, its engine core and worker in processes of
 their own, chunked prefill and prefix caching on) with a KV pool of ``--pool-requests`` dense
 requests' worth of blocks serves the same passkey requests (bench_vllm.py's: Qwen2.5-Coder-0.5B-
-Instruct, ~``--tokens`` prompt tokens, greedy, ``--gen`` tokens each, EOS ignored), sent as
+Instruct or ``--model``, ~``--tokens`` prompt tokens, greedy, ``--gen`` tokens each, EOS ignored), sent as
 streamed ``/v1/completions`` by one client thread per request, in two workloads: a burst (all
 at t = 0) and Poisson arrivals at ``--rate`` requests/s (seeded). Reported per run:
 requests/s and output tokens/s over the run, TTFT and TPOT (p50 / p99), peak and
-time-weighted mean of ``vllm:num_requests_running`` polled from ``/metrics`` every 0.2 s, and
-pass keys right.
+time-weighted mean of ``vllm:num_requests_running`` polled from ``/metrics`` every 0.2 s,
+preemptions (``vllm:num_preemptions_total`` over the run), and pass keys right (per request,
+with each needle's depth in the result file). Before the runs, each server answers one short
+warm-up request of its own (not one of the measured prompts: a measured prompt would then be
+a prefix-cache hit on the dense server, and costs a whole prefill at long prompts).
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ import common  # noqa: E402
 from bench_vllm import BLOCK, make_requests, percentile  # noqa: E402
 
 
-def running(server) -> float:
-    """vLLM's ``vllm:num_requests_running`` gauge, from the server's ``/metrics``."""
+def metric(server, name: str) -> float:
+    """The value of vLLM's metric ``name`` (a gauge, or a counter's ``_total``), from the
+    server's ``/metrics`` (KeyError if it has none)."""
     with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("vllm:num_requests_running"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    raise KeyError(f"{name} is not in {server.url('/metrics')}")
 
 
 def one_request(server, ids, gen, t0, record):
@@ -75,8 +79,10 @@ def workload(server, reqs, gen, arrivals):
 
     def poll():
         while not stop.is_set():
-            polls.append((time.perf_counter() - t0, running(server)))
+            polls.append((time.perf_counter() - t0, metric(server, "vllm:num_requests_running")))
             time.sleep(0.2)
+
+    preempted = metric(server, "vllm:num_preemptions_total")
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -93,6 +99,8 @@ def workload(server, reqs, gen, arrivals):
     makespan = time.perf_counter() - t0
     stop.set()
     poller.join()
+    preempted = metric(server, "vllm:num_preemptions_total") - preempted
+    hit = [key in r["text"][:40] for (_, key), r in zip(reqs, records)]
     ttft = [r["first"] - r["arrival"] for r in records]
     tpot = [(r["last"] - r["first"]) / max(gen - 1, 1) for r in records]
     weighted = sum((t1 - t0_) * run for (t0_, run), (t1, _) in zip(polls, polls[1:]))
@@ -102,7 +110,8 @@ def workload(server, reqs, gen, arrivals):
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "peak_running": max(run for _, run in polls),
             "mean_running": weighted / max(polls[-1][0] - polls[0][0], 1e-9),
-            "hits": sum(key in r["text"][:40] for (_, key), r in zip(reqs, records)),
+            "preemptions": int(preempted),
+            "hit": hit, "hits": sum(hit),
             "n": len(reqs)}
 
 
@@ -114,8 +123,9 @@ def table(rows, meta):
              f"generated; pool {meta['pool_blocks']} blocks of {BLOCK} (= "
              f"{meta['pool_requests']} dense requests); Poisson rate {meta['rate']}/s", "",
              "| mode | setting | workload | peak running | x dense | mean running | req/s | "
-             "out tok/s | x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | pass key |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "out tok/s | x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | preemptions | "
+             "pass key |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["mode"], r["workload"]): r for r in rows if r["setting"] == "dense"}
     for r in rows:
         d = dense.get((r["mode"], r["workload"]))
@@ -125,7 +135,7 @@ def table(rows, meta):
             f"{x('peak_running')} | {r['mean_running']:.1f} | {r['req_per_s']:.3f} | "
             f"{r['out_tok_per_s']:.2f} | {x('out_tok_per_s')} | {r['ttft_p50_s']:.1f} / "
             f"{r['ttft_p99_s']:.1f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
-            f"{r['hits']}/{r['n']} |")
+            f"{r.get('preemptions', '-')} | {r['hits']}/{r['n']} |")
     return "\n".join(lines)
 
 
@@ -143,6 +153,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["burst", "poisson"],
                     choices=["burst", "poisson"])
     ap.add_argument("--dtype", default="float32")
+    common.add_model_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_server.json")
     args = ap.parse_args()
@@ -154,9 +165,12 @@ def main() -> None:
     import kvprune_cuda as kp
     from kvprune_cuda.vllm.serve import ServerProcess
 
-    model_dir = str(common.model_dir())
+    model_dir = str(common.model_dir(args.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = make_requests(tok, args.requests, args.tokens, args.seed)
+    warmup = make_requests(tok, 1, min(args.tokens, 512), args.seed + 1)
+    texts = [tok.decode(ids) for ids, _ in reqs]
+    depths = [round(text.find(key) / len(text), 3) for text, (_, key) in zip(texts, reqs)]
     rng = random.Random(args.seed)
     poisson, t = [], 0.0
     for _ in reqs:
@@ -179,16 +193,17 @@ def main() -> None:
             try:
                 server.wait_ready(900)
                 # one warm-up request (compilation of new shapes is not measured)
-                workload(server, reqs[:1], 4, [0.0])
+                workload(server, warmup, 4, [0.0])
                 for wl in args.workloads:
                     result = workload(server, reqs, args.gen, arrivals[wl])
                     rows.append({"mode": mode, "setting": name, "workload": wl, **result})
                     print(json.dumps(rows[-1]), flush=True)
             finally:
                 server.stop()
-    meta = {**common.run_meta(), "vllm": vllm.__version__, "n": len(reqs),
+    meta = {**common.run_meta(), "vllm": vllm.__version__, "model": args.model, "n": len(reqs),
             "prompt_tokens": args.tokens, "gen": args.gen, "pool_blocks": pool,
-            "pool_requests": args.pool_requests, "rate": args.rate, "dtype": args.dtype}
+            "pool_requests": args.pool_requests, "rate": args.rate, "dtype": args.dtype,
+            "needle_depths": depths}
     print(table(rows, meta))
     common.write_json(args.out, {"meta": meta, "args": common.args_dict(args), "rows": rows})
 
