@@ -15,7 +15,11 @@ h2o) fills its own. With a decode-time rule (``decode=``,
 :class:`~kvprune_cuda.policy.DecodeRule`) a layer is compressed again after the decode
 forwards the rule picks (every ``interval`` generated tokens, once it holds more than
 ``max_held``), snapkv voting with the last ``window`` decode queries, h2o by each held
-key's attention summed over the decode forwards. Only ``DynamicCache``
+key's attention summed over the decode forwards. With ``prefill_max_held`` (:class:`~kvprune_cuda.policy.PrefillBound`) a prompt
+longer than ``prefill_chunk`` tokens is prefilled in chunks (the base model's forward runs once
+per chunk, each chunk a forward on the cache the chunks before left) and after each chunk a
+layer holding more than ``prefill_max_held`` tokens is compressed back to it, so the cache's
+peak stays bounded whatever the prompt's length. Only ``DynamicCache``
 (the default) with eager or SDPA attention is supported.
 """
 
@@ -28,6 +32,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from kvprune_cuda import policy as policies
+from kvprune_cuda._args import check_int
 from kvprune_cuda.hf import scoring, select
 from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
 from kvprune_cuda.hf.decode_step import decode_step
@@ -46,10 +51,14 @@ class KVCompressor:
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
     reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
+    ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`): the bounded-peak
+    prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
-    differ); :attr:`nbytes`: what the hooks' own state holds.
+    differ); ``peak_held``: the most tokens one layer held at once (per row and KV head,
+    fixed-capacity layers aside) since the sequence began; :attr:`nbytes`: what the hooks'
+    own state holds.
     """
 
     def __init__(self, model, policy: Union[str, "policies.Policy"] = "snapkv",
@@ -57,6 +66,7 @@ class KVCompressor:
                  options: Optional["policies.Options"] = None, compress_on_prefill: bool = True,
                  observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
                  max_held: Optional[int] = None, interval: Optional[int] = None,
+                 prefill_max_held: Optional[int] = None, prefill_chunk: Optional[int] = None,
                  **option_fields) -> None:
         if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
             options = dataclasses.replace(options or policies.Options(), **option_fields)
@@ -69,6 +79,14 @@ class KVCompressor:
         if self.policy.evidence == "reconstruction" and compress_on_prefill:
             raise ValueError(f"policy: {self.policy.name!r} scores by reconstructing the "
                              "context after its prefill; use kp.hf.compress_context")
+        self.prefill_bound = policies.make_prefill_bound(prefill_max_held, self.policy)
+        if self.prefill_bound is None and prefill_chunk is not None:
+            raise ValueError("prefill_chunk: given without prefill_max_held")
+        self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        check_int("prefill_chunk", self.prefill_chunk, 1)
+        if self.prefill_bound is not None and not compress_on_prefill:
+            raise ValueError("prefill_max_held: bounds a prefill that compresses "
+                             "(compress_on_prefill=True)")
         self.observed = [self.policy, *observe]
         self.model = model
         self.compress_on_prefill = compress_on_prefill
@@ -83,6 +101,8 @@ class KVCompressor:
         # compression: (module, LayerState, hidden states, position embeddings, keys, values) -> None
         # (kvzip's reconstruction forwards: hf.reconstruct.score_reconstruction)
         self.intercept: Optional[Callable] = None
+        self._prompt_end: Optional[int] = None  # while a bounded prefill runs: its length
+        self._outer = False  # the forward that a bounded prefill splits into chunks is running
         self.reset()
 
     # ----------------------------------------------------------------- state
@@ -96,6 +116,7 @@ class KVCompressor:
         self._new_valid: Optional[torch.Tensor] = None     # bool [B, q] of the current forward
         self._cache = None                                 # the cache of the forward running
         self._left: Optional[int] = None  # cache length the last forward left (None: unknown)
+        self.peak_held = 0
 
     @property
     def compressed(self) -> bool:
@@ -128,12 +149,81 @@ class KVCompressor:
         for m in self.attn:
             h.append(m.register_forward_pre_hook(self._attn_pre, with_kwargs=True))
             h.append(m.register_forward_hook(self._attn_post, with_kwargs=True))
+        if self.prefill_bound is not None:  # the instance's forward, until detach
+            self.base.forward = self._chunking(self.base.forward)
         return self
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.base.__dict__.pop("forward", None)
+
+    # ----------------------------------------------------------------- bounded prefill
+    def _splits(self, args, kwargs) -> bool:
+        """Whether this base forward is a prompt that the bounded prefill splits in chunks:
+        longer than ``prefill_chunk`` tokens, on an empty cache."""
+        if self.prefill_bound is None or self._prompt_end is not None:
+            return False
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        x = ids if ids is not None else kwargs.get("inputs_embeds")
+        cache = cache_arg(kwargs)
+        return (x is not None and x.shape[1] > self.prefill_chunk and cache is not None
+                and cache.get_seq_length() == 0)
+
+    def _chunking(self, forward):
+        """``forward`` (the base model's), running a prompt :meth:`_splits` as chunks."""
+        def run(*args, **kwargs):
+            if not self._splits(args, kwargs):
+                return forward(*args, **kwargs)
+            if len(args) > 1:
+                raise ValueError("prefill_max_held: pass the model's inputs by keyword")
+            if args:
+                kwargs["input_ids"] = args[0]
+            return self._prefill_in_chunks(kwargs)
+        return run
+
+    def _prefill_in_chunks(self, kwargs: dict):
+        """The base model's forward over a prompt, one forward per chunk of
+        ``prefill_chunk`` tokens on the same cache; returns the last chunk's output (its
+        hidden states: logits for the last chunk's tokens only)."""
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        x = kwargs.pop(name)
+        mask = kwargs.pop("attention_mask", None)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+            raise ValueError("attention_mask: a bounded prefill (prefill_max_held) needs rows "
+                             "without padding")
+        by_position = {k: kwargs.pop(k) for k in ("position_ids", "cache_position")
+                       if isinstance(kwargs.get(k), torch.Tensor)}
+        n = x.shape[1]
+        self._prompt_end = n
+        try:
+            for start in range(0, n, self.prefill_chunk):
+                end = min(n, start + self.prefill_chunk)
+                part = {**kwargs, name: x[:, start:end],
+                        **{k: t[..., start:end] for k, t in by_position.items()}}
+                if isinstance(mask, torch.Tensor):
+                    part["attention_mask"] = mask[..., :end]
+                out = self.base(**part)
+        finally:
+            self._prompt_end = None
+        return out
+
+    def _bounded_chunk(self, st: LayerState, cache, i: int, q_len: int) -> None:
+        """After a bounded prefill's chunk of ``q_len`` tokens in layer ``i``: the prompt's
+        compression after its last chunk, else the bound's (the recorded window queries stay,
+        for the next chunk's to join)."""
+        end = self.seen + q_len
+        if end == self._prompt_end:
+            kept = self.policy.kept_tokens(end)
+            self.compressed_len = select.compress_layer(st, cache, i, self.policy, kept, None)
+            self.prompt_len = end
+            return
+        kept = self.prefill_bound.compresses(cache_kv(cache, i)[0].shape[2], False)
+        if kept is not None:
+            queries = st.queries
+            select.compress_layer(st, cache, i, self.policy, kept, None)
+            st.queries = queries
 
     def _base_pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -141,6 +231,10 @@ class KVCompressor:
         b, q = x.shape[0], x.shape[1]
         cache = cache_arg(kwargs)
         held = cache.get_seq_length() if cache is not None else 0
+        if self._splits(args, kwargs):  # the chunks' own forwards do the work
+            self.reset()
+            self._outer = True
+            return args, kwargs
         if held == 0:
             self.reset()
         self._cache = cache
@@ -170,6 +264,9 @@ class KVCompressor:
         return args, kwargs
 
     def _base_post(self, module, args, kwargs, output):
+        if self._outer and self._prompt_end is None:  # the split forward's end
+            self._outer = False
+            return output
         self.seen += self._new_valid.shape[1]
         self._left = None if self._cache is None else self._cache.get_seq_length()
         self._cache = self._new_valid = None  # the forward's own: nothing outlives it
@@ -234,12 +331,16 @@ class KVCompressor:
                 layer.accumulate(queries, scale=getattr(module, "scaling", None),
                                  gqa=self.policy.gqa)
             return output
+        bounded = self._prompt_end is not None  # a chunk of a bounded prefill
         if st.compressed:  # masked or ragged: the new tokens join the slot validity
             nv = self._new_valid[:, None, :].expand(-1, st.slot_valid.shape[1], -1)
             st.slot_valid = torch.cat([st.slot_valid, nv], 2)
-            self._decode_step(module, st, cache, i, hs, kwargs)
-            return output
+            self.peak_held = max(self.peak_held, st.slot_valid.shape[2])
+            if not bounded:
+                self._decode_step(module, st, cache, i, hs, kwargs)
+                return output
         k, v = cache_kv(cache, i)
+        self.peak_held = max(self.peak_held, k.shape[2])
         if self.intercept is not None:
             self.intercept(module, st, hs, kwargs["position_embeddings"], k, v)
             return output
@@ -249,7 +350,9 @@ class KVCompressor:
             qn = scoring.post_rope_queries(module, hs[:, q_len - n_q:], cos[:, q_len - n_q:],
                                            sin[:, q_len - n_q:]).to(k.dtype)
             self._record(st, qn, k)
-        if self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:  # a prefill
+        if bounded:
+            self._bounded_chunk(st, cache, i, q_len)
+        elif self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:  # a prefill
             n, held = k.shape[2], k.shape[2]
             if not isinstance(self.policy, policies.Full):  # full: plain attention, no masks
                 held = select.compress_layer(st, cache, i, self.policy,
@@ -320,6 +423,9 @@ class KVCompressor:
         self.prompt_len, self.policy, self._left = n, policy, None
 
 
+PREFILL_CHUNK = 2048  # tokens per chunk of a bounded prefill, unless prefill_chunk says
+
+
 @contextlib.contextmanager
 def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              budget: Union[int, float, None] = None, *, n_sink: Optional[int] = None,
@@ -327,19 +433,26 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              pool: Optional[str] = None, gqa: Optional[str] = None,
              pool_shift: Optional[int] = None,
              decode: Optional[str] = None, max_held: Optional[int] = None,
-             interval: Optional[int] = None) -> Iterator[KVCompressor]:
+             interval: Optional[int] = None, prefill_max_held: Optional[int] = None,
+             prefill_chunk: Optional[int] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
     :class:`~kvprune_cuda.policy.Policy`; see :mod:`kvprune_cuda.policy`; options left None
     keep the policy's own: budget 0.2, n_sink 4, window 32, kernel_size 49, pool_shift 16 for a name), and with ``decode`` ("streaming" | "snapkv" | "h2o") again every
     ``interval`` generated tokens once it holds more than ``max_held``
-    (:class:`kvprune_cuda.policy.DecodeRule`). Yields the :class:`KVCompressor`
-    (``prompt_len``, ``compressed_len``, ``nbytes``)."""
+    (:class:`kvprune_cuda.policy.DecodeRule`). With ``prefill_max_held``, a prompt longer
+    than ``prefill_chunk`` tokens (default 2048) is prefilled in chunks and compressed back to
+    ``prefill_max_held`` tokens after every chunk that leaves more, so a layer never holds
+    more than ``prefill_max_held + prefill_chunk`` tokens (:class:`kvprune_cuda.policy.
+    PrefillBound`; rows without padding; the split forward returns the last chunk's hidden
+    states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
+    ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
-                        interval=interval).attach()
+                        interval=interval, prefill_max_held=prefill_max_held,
+                        prefill_chunk=prefill_chunk).attach()
     try:
         yield comp
     finally:

@@ -23,6 +23,8 @@ integration's entry point to every policy it builds (:func:`make`).
 :class:`DecodeRule` (``decode.py``) is the periodic decode-time rule built on them
 (:func:`make_decode`): every ``interval`` generated tokens, a cache holding more than
 ``max_held`` tokens is compressed back to ``max_held`` by a policy's selection.
+:class:`PrefillBound` (``prefill.py``, :func:`make_prefill_bound`) bounds a chunked prefill the
+same way: after each chunk, a prompt holding more than ``prefill_max_held`` tokens is compressed.
 """
 
 from kvprune_cuda.policy.base import EVIDENCE, GQA, SCOPES, Options, Policy, resolve_budget
@@ -33,9 +35,11 @@ from kvprune_cuda.policy.snapkv import SnapKV
 from kvprune_cuda.policy.h2o import H2O
 from kvprune_cuda.policy.kvzip import KVzip
 from kvprune_cuda.policy.decode import DECODE_POLICIES, DecodeRule, make_decode
+from kvprune_cuda.policy.prefill import PrefillBound, make_prefill_bound
 
 POLICIES = ("full", "streaming", "snapkv", "h2o", "kvzip")  # the built-in policies
 
 __all__ = ["POLICIES", "EVIDENCE", "GQA", "SCOPES", "Options", "Policy", "Full", "Streaming",
            "SnapKV", "H2O", "KVzip", "register", "registered", "make", "resolve_budget",
-           "DECODE_POLICIES", "DecodeRule", "make_decode"]
+           "DECODE_POLICIES", "DecodeRule", "make_decode", "PrefillBound",
+           "make_prefill_bound"]

@@ -1,0 +1,125 @@
+"""kp.hf's bounded-peak prefill (``prefill_max_held``, ``prefill_chunk``) on the tiny Qwen2.
+
+The oracle is the model's own attention calls (test_hf's ``_eager_capture``: what each chunk's
+attention received, independent of hf's code) and the plain reference: after every chunk but
+the last, a layer holding more than the bound keeps exactly ``ref.snapkv`` of what it held,
+voted for by the last ``window`` queries; the peak is hand-computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kvprune_cuda as kp  # noqa: E402
+from kvprune_cuda import hf  # noqa: E402
+from kvprune_cuda import reference as ref  # noqa: E402
+
+from test_hf import N_LAYERS, _eager_capture, _gen, _ids, model  # noqa: E402,F401
+
+N, CHUNK, BOUND, BUDGET, W = 200, 48, 40, 24, 8
+OPTS = dict(n_sink=4, window=W, kernel_size=5, pool_shift=2)
+
+
+def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chunk(model, gen):
+    ids = _ids(gen, 1, N)
+    cache = transformers.DynamicCache()
+    with _eager_capture(model) as calls, torch.no_grad():
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            prefill_chunk=CHUNK) as comp:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    # held after each chunk, by hand: 48 -> 40, 40+48 = 88 -> 40 (x3), 40+8 = 48 -> 24 (the budget)
+    assert comp.peak_held == BOUND + CHUNK == 88
+    assert (comp.prompt_len, comp.compressed_len) == (N, BUDGET)
+    for i in range(N_LAYERS):
+        chunks = calls[i]
+        assert [c[0].shape[2] for c in chunks] == [48, 48, 48, 48, 8]
+        assert [c[1].shape[2] for c in chunks] == [48, 88, 88, 88, 48]
+        queries = torch.cat([c[0] for c in chunks], 2)  # every prompt query, in order
+        seen = 0
+        for j, (q, k, _) in enumerate(chunks):
+            seen += q.shape[2]
+            window = queries[:, :, seen - W:seen]
+            kept = BUDGET if j == len(chunks) - 1 else BOUND
+            exp_k = ref.snapkv(window, k, k, kept, **OPTS)[0]
+            got = (hf.cache_kv(cache, i)[0] if j == len(chunks) - 1
+                   else chunks[j + 1][1][:, :, :kept])  # what the next chunk attended over
+            torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)
+
+
+def test_layer_zero_holds_its_keys_at_their_original_positions(model, gen):
+    """Layer 0's keys depend on the token and its position only: every key the bounded
+    prefill holds is the full prefill's key of some position, the sinks at 0..3 in order."""
+    ids = _ids(gen, 1, N)
+    full, cache = transformers.DynamicCache(), transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            prefill_chunk=CHUNK):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    fk, k = hf.cache_kv(full, 0)[0][0], hf.cache_kv(cache, 0)[0][0]  # [Hkv, n, D], [Hkv, 24, D]
+    for h in range(k.shape[0]):
+        match = (k[h][:, None, :] == fk[h][None, :, :]).all(-1)     # [24, n]
+        assert bool(match.any(1).all())
+        pos = match.float().argmax(1)
+        assert pos[:4].tolist() == [0, 1, 2, 3] and bool((pos[1:] > pos[:-1]).all())
+        assert pos[-W:].tolist() == list(range(N - W, N))
+
+
+def test_a_bound_above_the_prompt_generates_what_the_unbounded_prefill_does(model, gen):
+    ids = _ids(gen, 1, N)
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS) as comp:
+        plain = _gen(model, ids, n=12)
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=N,
+                        prefill_chunk=CHUNK) as bounded:
+        chunked = _gen(model, ids, n=12)
+    assert torch.equal(plain, chunked)
+    assert (bounded.compressed_len, bounded.peak_held) == (comp.compressed_len, N)
+
+
+def test_generate_after_a_bounded_prefill_continues_at_the_original_positions(model, gen):
+    """A prompt 5x the bound: the generated tokens are those of a manual decode on the
+    bounded cache (positions n, n+1, ...), and the peak stays the bound plus one chunk."""
+    ids = _ids(gen, 1, N)
+    cache = transformers.DynamicCache()
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                        prefill_chunk=CHUNK) as comp, torch.no_grad():
+        out = _gen(model, ids, n=6)
+        manual = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        tokens = [int(manual.argmax(-1))]
+        for t in range(5):
+            step = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                         use_cache=True, position_ids=torch.tensor([[N + t]]))
+            tokens.append(int(step.logits[0, -1].argmax()))
+    assert out[0, N:].tolist() == tokens
+    assert comp.peak_held == BOUND + CHUNK
+
+
+@pytest.mark.parametrize("policy,why", [("streaming", "fixed-capacity"), ("full", "every token"),
+                                        ("h2o", "fixed-capacity")])
+def test_a_policy_without_a_chunk_selection_is_refused(model, policy, why):
+    with pytest.raises(ValueError, match=f"prefill_max_held: policy '{policy}'.*{why}"):
+        with kp.hf.compress(model, policy, 0.2, prefill_max_held=BOUND):
+            pass
+
+
+def test_bad_bounded_prefill_arguments(model, gen):
+    with pytest.raises(ValueError, match="prefill_chunk: given without prefill_max_held"):
+        with kp.hf.compress(model, "snapkv", 0.2, prefill_chunk=CHUNK):
+            pass
+    with pytest.raises(ValueError, match="prefill_max_held must be an int >= 1"):
+        with kp.hf.compress(model, "snapkv", 0.2, prefill_max_held=0):
+            pass
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        with kp.hf.compress(model, "snapkv", 0.2, prefill_max_held=BOUND, prefill_chunk=0):
+            pass
+    ids = _ids(gen, 2, N)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                        prefill_chunk=CHUNK):
+        with pytest.raises(ValueError, match="attention_mask: a bounded prefill"):
+            _gen(model, ids, mask)
+    assert "forward" not in model.model.__dict__  # detached: the class's forward again
