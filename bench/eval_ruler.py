@@ -23,6 +23,12 @@ as ``ruler_tasks.prompt_ids`` does):
   differ), then per config ``sc.compress(budget=B, budget_scope=S, policy=P)`` and
   ``.generate(question_ids, ...)``: what ``kp.hf.compress_context`` does for one policy. The
   budget is a fraction of the context's tokens.
+* bounded (snapkv-aware-bounded): the query-aware default with a bounded-peak prefill, what
+  ``kp.hf.compress(..., prefill_max_held=N, prefill_chunk=C)`` does: the prompt but its last
+  token prefilled in chunks of ``--prefill-chunk`` tokens, every layer compressed back to
+  ``N = --prefill-held`` x the budget's tokens after each chunk that leaves more, and to the
+  budget after the last; then that token starts the answer, as for snapkv-aware-default (the
+  same tokens, the same budget; with N >= the prompt the two are identical). Its own prefill.
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
   cosine distance from its head's mean key): as kvpress's own pipeline
@@ -103,6 +109,7 @@ SETTINGS = {
     "kvzip-head-default": ("agnostic", "kvzip", "head"),
     "kvzip-global": ("agnostic", "kvzip", "global"),
     "kvzip-layer": ("agnostic", "kvzip", "layer"),
+    "snapkv-aware-bounded": ("bounded", "snapkv", None),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
     "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
@@ -352,6 +359,9 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
                                                   SETTINGS[s][2], max_new, "after the prompt")
     del sc
     for s, f in cfgs:
+        if SETTINGS[s][0] == "bounded":
+            out[config_name(s, f)] = _bounded(model, tok, prompt, refs, _setting_policy(s, args),
+                                              f, args, max_new)
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
             aware_press = _press_mode(s) == "aware"
             c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
@@ -365,6 +375,35 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
         if rec.get("kv_bytes") is not None:
             rec["held_tokens"] = rec["kv_bytes"] / bytes_per_token(model)
     return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
+
+
+def _bounded(model, tok, prompt, refs, policy, frac, args, max_new) -> dict:
+    """The bounded-peak prefill of ``prompt`` but its last token (module doc), then that token
+    starts the answer; its record has the bound, the chunk, the peak held and the prefill's
+    seconds (compression included) besides the usual."""
+    from transformers import DynamicCache
+
+    ids = prompt[:, :-1]
+    budget = kp.hf.resolve_budget(frac, ids.shape[1])
+    bound = int(args.prefill_held * budget)
+    comp = kp.hf.KVCompressor(model, policy, frac, prefill_max_held=bound,
+                              prefill_chunk=args.prefill_chunk)
+    cache = DynamicCache()
+    comp.attach()
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            comp.base(input_ids=ids, past_key_values=cache, use_cache=True)
+            t1 = time.perf_counter()
+    finally:
+        comp.detach()
+    c = kp.hf.CompressedContext(model, comp.policy, ids, cache, comp.snapshot(), t1 - t0, 0.0)
+    g = c.generate(prompt[:, -1:], **_gen_kwargs(tok, refs, max_new))
+    return {"seconds": time.perf_counter() - t0, "prefill_seconds": t1 - t0,
+            "kv_bytes": c.nbytes, "kv_at": "after the prompt",
+            "tokens_per_layer": list(c.tokens_per_layer), "budget_tokens": budget,
+            "prefill_max_held": bound, "prefill_chunk": args.prefill_chunk,
+            "peak_held": comp.peak_held, "new": g[0, 1:].tolist()}
 
 
 def _kvpress(model, tok, ctx, qst, refs, cls, frac, args, max_new, kvpress, kv_at) -> dict:
@@ -902,6 +941,10 @@ def parse(argv=None):
     ap.add_argument("--kernel-size", type=int, default=None, help="snapkv's pool (default: the library's)")
     ap.add_argument("--pool-shift", type=int, default=None, help="snapkv's pool shift (default: the library's)")
     ap.add_argument("--chunk-size", type=int, default=2048, help="kvzip's reconstruction chunk (ours and KVzipPress)")
+    ap.add_argument("--prefill-held", type=float, default=2.0,
+                    help="snapkv-aware-bounded: prefill_max_held as a multiple of the budget's tokens")
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
+                    help="snapkv-aware-bounded: the bounded prefill's chunk (tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
     common.add_model_arg(ap, default=None, help=f"model (default {common.DEFAULT_MODEL}; with "
