@@ -200,3 +200,41 @@ def test_the_default_pool_and_its_shift_reach_the_engine():
     assert (p.kernel_size, p.shift) == (49, 8) and p == kp.policy.SnapKV(0.16, pool_shift=8)
     cfg = kp.vllm.engine_args("snapkv", 0.16)["additional_config"]
     assert config.from_vllm_config(type("Cfg", (), {"additional_config": cfg})).shift == 16
+
+
+def test_the_prefill_bound_reaches_the_engine_and_the_server():
+    args = kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=4096)
+    cfg = type("Cfg", (), {"additional_config": args["additional_config"]})
+    assert config.prefill_from_vllm_config(cfg) == kp.policy.PrefillBound(
+        kp.policy.SnapKV(0.16), 4096)
+    assert config.from_vllm_config(cfg) == kp.policy.SnapKV(0.16)
+    assert config.prefill_from_vllm_config(
+        type("Cfg", (), {"additional_config": kp.vllm.engine_args()["additional_config"]})) is None
+    from kvprune_cuda.vllm.serve import vllm_argv
+
+    assert vllm_argv(["m", "--kv-prefill-max-held", "4096", "--kv-budget", "0.16"])[2:] == \
+        kp.vllm.server_args("snapkv", 0.16, prefill_max_held=4096)
+    with pytest.raises(ValueError, match="prefill_max_held: policy 'streaming'"):
+        kp.vllm.engine_args("streaming", 0.16, prefill_max_held=4096)
+    with pytest.raises(ValueError, match="prefill_max_held must be an int >= 1"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=0)
+
+
+def test_a_bounded_prefill_compresses_each_earlier_chunk_over_the_bound():
+    """A 1000-token prompt in chunks of 256 under a bound of 300 (window 32, 4 sinks): the
+    held counts by hand, the prompt's own compression at its last chunk only when the
+    budget keeps fewer than it holds."""
+    p = engine_policy("snapkv", 0.16)
+    bound = kp.policy.make_prefill_bound(300, p)
+    held, kept_after = 0, []
+    for start in range(0, 1000, 256):
+        scheduled = min(256, 1000 - start)
+        held += scheduled
+        kept = (rules.compresses(p, start, scheduled, 1000, 0, 0, held)
+                or rules.prefill_compresses(bound, start, scheduled, 1000, held))
+        kept_after.append(kept)
+        held = kept or held
+    # 256 (under); 300 + 256 = 556 -> 300 (x2 at 512, 768); last: 300 + 232 = 532 -> 160
+    assert kept_after == [None, 300, 300, 160]
+    assert rules.compresses(p, 768, 232, 1000, 0, 0, 150) is None  # the budget keeps them all
+    assert bound.target(pinned=512) == 512 + 32 and bound.peak(256) == 556

@@ -65,7 +65,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                 pool: Optional[str] = None, gqa: Optional[str] = None,
                 pool_shift: Optional[int] = None,
                 decode: Optional[str] = None, max_held: Optional[int] = None,
-                interval: Optional[int] = None) -> dict:
+                interval: Optional[int] = None, prefill_max_held: Optional[int] = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
     into the result; do not override the ones it sets. vLLM's defaults stand (chunked
@@ -75,6 +75,15 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     compression (:class:`kvprune_cuda.policy.DecodeRule`): every ``interval`` generated tokens (a
     multiple of the engine's block size), a request holding more than ``max_held`` tokens is
     compressed back to ``max_held`` and its emptied blocks are freed; the same options.
+
+    ``prefill_max_held``: the bounded-peak prefill (:class:`kvprune_cuda.policy.PrefillBound`,
+    kp.hf's rule): after each chunk of a prompt's chunked prefill (``max_num_batched_tokens``
+    tokens a step at most), a request holding more than ``prefill_max_held`` tokens is
+    compressed back to it and its emptied blocks are freed, so a prompt longer than the KV
+    pool runs; vLLM admits such a prompt when its bounded need fits. With a decode-time rule
+    too, vLLM may start with a ``max_model_len`` longer than the pool holds: its start-up
+    check is made against the most one request then holds
+    (:func:`~kvprune_cuda.vllm.rules.bounded_peak`; the ``kvprune_cuda`` vLLM plugin).
 
     ``policy``: a name :func:`kvprune_cuda.policy.registered` knows, or a
     :class:`kvprune_cuda.policy.Policy` object (yours too: its class is imported by module
@@ -86,10 +95,11 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                                gqa=gqa, pool_shift=pool_shift)
     p = engine_policy(policy, budget, options)
     rule = policies.make_decode(decode, max_held, interval, options, prompt=p)
+    bound = policies.make_prefill_bound(prefill_max_held, p)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",
-        "additional_config": {CONFIG_KEY: engine_config(p, rule)},
+        "additional_config": {CONFIG_KEY: engine_config(p, rule, bound)},
     }
 
 

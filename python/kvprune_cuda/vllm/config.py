@@ -59,14 +59,16 @@ def policy_class(path: str) -> type:
     return policies.register(obj)
 
 
-def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRule"]) -> dict:
+def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRule"],
+                  prefill: Optional["policies.PrefillBound"] = None) -> dict:
     """The ``additional_config`` entry that carries ``policy`` (its class by module path, its
-    fields) and ``decode`` to every process."""
+    fields), ``decode`` and the ``prefill`` bound to every process."""
     rule = None
     if decode is not None:
         rule = {k: v for k, v in decode.policy.to_config().items() if k not in ("policy", "budget")}
         rule.update(decode=decode.policy.name, max_held=decode.max_held, interval=decode.interval)
-    return {**policy.to_config(), "class": class_path(policy), "decode": rule}
+    return {**policy.to_config(), "class": class_path(policy), "decode": rule,
+            "prefill_max_held": None if prefill is None else prefill.max_held}
 
 
 def _config(vllm_config) -> dict:
@@ -82,6 +84,7 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
     in this process)."""
     config = _config(vllm_config)
     config.pop("decode", None)
+    config.pop("prefill_max_held", None)
     if "class" in config:
         policy_class(config.pop("class"))
     return engine_policy(**{"policy": None, **config})
@@ -91,3 +94,14 @@ def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
     """The decode-time rule in the engine's configuration (None: none)."""
     rule = _config(vllm_config).get("decode")
     return None if rule is None else policies.make_decode(**rule)
+
+
+def prefill_from_vllm_config(vllm_config) -> Optional["policies.PrefillBound"]:
+    """The bounded prefill in the engine's configuration (None: unbounded)."""
+    return policies.make_prefill_bound(_config(vllm_config).get("prefill_max_held"),
+                                       from_vllm_config(vllm_config))
+
+
+def is_configured(vllm_config) -> bool:
+    """Whether the engine runs kvprune_cuda.vllm (its ``additional_config`` entry)."""
+    return CONFIG_KEY in (getattr(vllm_config, "additional_config", None) or {})

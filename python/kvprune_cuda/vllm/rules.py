@@ -10,7 +10,11 @@ request shares at that step; the budget applies to the rest (:func:`kept_tokens`
 scheduler sees block sharing, so it decides and hands each step's decisions to the workers
 (:mod:`kvprune_cuda.vllm.plan`). Earlier prefill
 chunks of a request that may be compressed are recorded by the workers (:func:`records`):
-the observation window may span chunks.
+the observation window may span chunks. With a bounded prefill
+(:class:`~kvprune_cuda.policy.PrefillBound`, ``engine_args(prefill_max_held=...)``) an earlier
+chunk that leaves the request holding more than the bound compresses it too
+(:func:`prefill_compresses`), so a prompt longer than the KV pool can run; :func:`bounded_peak`
+is the most a request then holds.
 """
 
 from __future__ import annotations
@@ -39,13 +43,41 @@ def with_pinned(policy: "policies.Policy", kept: int, pinned: int) -> "policies.
 
 
 def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
-               prompt_len: int, num_output: int = 0, pinned: int = 0) -> Optional[int]:
+               prompt_len: int, num_output: int = 0, pinned: int = 0,
+               held: Optional[int] = None) -> Optional[int]:
     """Tokens kept by a request whose step computes ``num_scheduled`` tokens from
     ``num_computed`` (of a ``prompt_len``-token prompt, ``num_output`` tokens generated so
-    far, the first ``pinned`` kept whole); None when this step does not compress it."""
+    far, the first ``pinned`` kept whole; ``held``: the tokens it then holds, fewer than the
+    prompt's after a bounded prefill's compressions, None: all); None when this step does not
+    compress it."""
     if num_output or num_computed >= prompt_len or num_computed + num_scheduled != prompt_len:
         return None
-    return kept_tokens(policy, prompt_len, pinned)
+    kept = kept_tokens(policy, prompt_len, pinned)
+    return None if kept is None or (held is not None and kept >= held) else kept
+
+
+def prefill_compresses(bound: Optional["policies.PrefillBound"], num_computed: int,
+                       num_scheduled: int, prompt_len: int, held: int,
+                       pinned: int = 0) -> Optional[int]:
+    """Tokens kept by a request whose step computes an earlier chunk of its prompt
+    (``num_scheduled`` tokens from ``num_computed``; also while a request resumed after
+    preemption recomputes its prompt) and then holds
+    ``held`` tokens, the first ``pinned`` whole: the bound's target once ``held`` is over it
+    (:meth:`~kvprune_cuda.policy.PrefillBound.compresses`); None: no compression."""
+    if bound is None or num_computed + num_scheduled >= prompt_len:
+        return None
+    return bound.compresses(held, False, pinned)
+
+
+def bounded_peak(bound: "policies.PrefillBound", rule: Optional["policies.DecodeRule"],
+                 chunk: int) -> Optional[int]:
+    """The most tokens one request holds when its prompt prefills in chunks of at most
+    ``chunk`` under ``bound`` (no prefix shared) and its generation runs under ``rule``:
+    ``max(bound + chunk, rule's target) + interval``; None without a rule (a generation
+    may then grow to the model's length)."""
+    if rule is None:
+        return None
+    return max(bound.peak(chunk), rule.target()) + rule.interval
 
 
 def decode_positions(num_computed: int, num_scheduled: int, prompt_len: int,

@@ -15,6 +15,12 @@
   picks (every ``interval`` generated tokens, once it holds more than ``max_held``); a
   request resumed after preemption (recomputed dense) is compressed back in the step that
   completes its recompute, then as before;
+* with a bounded prefill (``engine_args(prefill_max_held=...)``), a request whose step computes
+  an earlier chunk of its prompt and leaves it holding more than the bound is compressed too
+  (:func:`~kvprune_cuda.vllm.rules.prefill_compresses`), the same way; vLLM admits a new
+  request when its full sequence fits the free blocks, which for such a prompt is checked
+  against the most it will hold (the bound, one chunk and its generation so far), not its
+  length;
 * after such a step, the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the workers have compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
@@ -58,6 +64,8 @@ class Scheduler(_VllmScheduler):
         super().__init__(*args, **kwargs)
         self.kvprune_policy = config.from_vllm_config(self.vllm_config)
         self.kvprune_decode = config.decode_from_vllm_config(self.vllm_config)
+        self.kvprune_prefill = config.prefill_from_vllm_config(self.vllm_config)
+        self._chunk = self.vllm_config.scheduler_config.max_num_batched_tokens
         check_engine(self.vllm_config, self.kvprune_decode)
         check_kv_cache_groups(self.kv_cache_config)
         block_size = self.vllm_config.cache_config.block_size
@@ -81,12 +89,30 @@ class Scheduler(_VllmScheduler):
     def _allocate_held(self, allocate, request, *args, **kwargs):
         held = self.kvprune_held.get(request.request_id)
         if held is None:
+            if kwargs.get("full_sequence_must_fit") and self.kvprune_prefill is not None:
+                return self._admit_bounded(allocate, request, *args, **kwargs)
             return allocate(request, *args, **kwargs)
         request.num_computed_tokens -= held.evicted
         try:
             return allocate(request, *args, **kwargs)
         finally:
             request.num_computed_tokens += held.evicted
+
+    def _admit_bounded(self, allocate, request, *args, **kwargs):
+        """vLLM's allocation for a request it admits, its check that the full sequence fits
+        the free blocks made against the most a bounded prefill holds of it (the bound past
+        its prefix-cache hits, one chunk, the outputs it replays): the manager's length cap
+        is that many tokens during the call (the slots this step needs are within it)."""
+        manager = self.kv_cache_manager
+        hits = kwargs.get("num_new_computed_tokens", 0) + request.num_computed_tokens
+        most = self.kvprune_prefill.peak(self._chunk, hits) + request.num_output_tokens
+        if most >= manager.max_model_len:
+            return allocate(request, *args, **kwargs)
+        length, manager.max_model_len = manager.max_model_len, most
+        try:
+            return allocate(request, *args, **kwargs)
+        finally:
+            manager.max_model_len = length
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
@@ -106,7 +132,10 @@ class Scheduler(_VllmScheduler):
             tokens = num_computed + scheduled - (held.evicted if held else 0)  # held after it
             kept = rules.compresses(self.kvprune_policy, num_computed, scheduled,
                                     request.num_prompt_tokens, request.num_output_tokens,
-                                    pinned)
+                                    pinned, tokens)
+            if kept is None:
+                kept = rules.prefill_compresses(self.kvprune_prefill, num_computed, scheduled,
+                                                request.num_prompt_tokens, tokens, pinned)
             if kept is None:
                 kept = rules.decode_compresses(self.kvprune_decode, num_computed, scheduled,
                                                request.num_prompt_tokens,

@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-decode", default=None, help="decode-time rule: streaming | snapkv | h2o")
     p.add_argument("--kv-max-held", type=int, default=None)
     p.add_argument("--kv-interval", type=int, default=None)
+    p.add_argument("--kv-prefill-max-held", type=int, default=None,
+                   help="bounded prefill: compress a prompt back to this many tokens after "
+                        "every chunk that leaves more (prompts longer than the KV pool)")
     return p
 
 
@@ -66,7 +69,8 @@ def vllm_argv(argv: Sequence[str]) -> list:
                         window=ours.kv_window, kernel_size=ours.kv_kernel_size,
                         pool_shift=ours.kv_pool_shift, pool=ours.kv_pool, gqa=ours.kv_gqa,
                         decode=ours.kv_decode,
-                        max_held=ours.kv_max_held, interval=ours.kv_interval)
+                        max_held=ours.kv_max_held, interval=ours.kv_interval,
+                        prefill_max_held=ours.kv_prefill_max_held)
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag}: set by kvprune_cuda.vllm.serve; leave it out")

@@ -19,7 +19,8 @@
    attention of a compressing row (which wrote the last chunk's keys), kvprune reads the
    whole prompt's keys through the row's blocks
    (:func:`~kvprune_cuda.vllm.cpu_cache.request_keys`), scores them with the observation
-   window's queries (this chunk's and the recorded ones: the policy's ``score``), selects
+   window's queries (this chunk's and the recorded ones: the policy's ``score``; a bounded
+   prefill's earlier chunk, the same way, keeps its window for the next), selects
    (``kp.select_keep``, the pinned prefix kept whole) and compacts the kept tokens of the
    blocks past the pinned prefix in vLLM's cache
    (:func:`kvprune_cuda.vllm.cpu_cache.compact_request`); the pinned blocks, which another
@@ -262,6 +263,8 @@ class RunnerHooks:
         finally:
             plan, self.plan, self.decoding = self.plan, [], []
             recorded, self.recording = {row.req_id for row in self.recording}, []
+            recorded |= {row.req_id for row in plan  # a bounded prefill's earlier chunk
+                         if not row.decode and row.positions < row.prompt_len}
             for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
                 if req_id not in recorded:
                     self.window_queries.pop(req_id, None)
