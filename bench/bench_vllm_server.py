@@ -6,8 +6,10 @@ Runs in the vLLM environment (``bash scripts/setup_vllm_env.sh``)::
     .venv-vllm/bin/python bench/bench_vllm_server.py      # table + bench/results/vllm_server.json
 
 For each ``--modes`` entry ("compile": vLLM's default torch.compile; "eager":
-``--enforce-eager``) and each setting ("dense": vLLM's server untouched; "snapkv": the same
-server with ``kp.vllm.server_args("snapkv", --budget)``), one server
+``--enforce-eager``) and each ``--settings`` entry ("dense": vLLM's server untouched; "snapkv":
+the same server with ``kp.vllm.server_args("snapkv", --budget)``; "snapkv-bounded": with the
+bounded-peak prefill too, ``prefill_max_held`` = ``--prefill-held`` x the budget's tokens of
+a ``--tokens`` prompt), one server
 (``python -m vllm.entrypoints.openai.api_server``, its engine core and worker in processes of
 their own, chunked prefill and prefix caching on) with a KV pool of ``--pool-requests`` dense
 requests' worth of blocks serves the same passkey requests (bench_vllm.py's: Qwen2.5-Coder-0.5B-
@@ -152,6 +154,10 @@ def main() -> None:
                     choices=["compile", "eager"])
     ap.add_argument("--workloads", nargs="+", default=["burst", "poisson"],
                     choices=["burst", "poisson"])
+    ap.add_argument("--settings", nargs="+", default=["dense", "snapkv"],
+                    choices=["dense", "snapkv", "snapkv-bounded"])
+    ap.add_argument("--prefill-held", type=float, default=2.0,
+                    help="snapkv-bounded: prefill_max_held as a multiple of the budget's tokens")
     ap.add_argument("--dtype", default="float32")
     common.add_model_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
@@ -182,7 +188,11 @@ def main() -> None:
     common_flags = ["--served-model-name", "m", "--dtype", args.dtype, "--block-size", str(BLOCK), "--seed", "0",
                     "--max-model-len", str(args.tokens + args.gen + 64),
                     "--num-gpu-blocks-override", str(pool), "--max-num-seqs", "96"]
-    settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget)}
+    bound = int(args.prefill_held * kp.policy.resolve_budget(args.budget, args.tokens))
+    settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget),
+                "snapkv-bounded": kp.vllm.server_args("snapkv", args.budget,
+                                                      prefill_max_held=bound)}
+    settings = {name: settings[name] for name in args.settings}
     rows = []
     for mode in args.modes:
         for name, flags in settings.items():
@@ -203,6 +213,7 @@ def main() -> None:
     meta = {**common.run_meta(), "vllm": vllm.__version__, "model": args.model, "n": len(reqs),
             "prompt_tokens": args.tokens, "gen": args.gen, "pool_blocks": pool,
             "pool_requests": args.pool_requests, "rate": args.rate, "dtype": args.dtype,
+            "prefill_max_held": bound if "snapkv-bounded" in settings else None,
             "needle_depths": depths}
     print(table(rows, meta))
     common.write_json(args.out, {"meta": meta, "args": common.args_dict(args), "rows": rows})

@@ -10,6 +10,10 @@ subprocess (peak RSS is a per-process high-water mark), under ``torch.no_grad``:
 * ``full``: ``model(input_ids=ids, use_cache=True, logits_to_keep=1)``, no hooks;
 * ``snapkv``: the same inside ``kp.hf.compress(model, "snapkv", --budget)`` (the library's
   default policy and options);
+* ``snapkv-bounded``: ``snapkv`` with the bounded-peak prefill,
+  ``prefill_max_held`` = ``BOUND_FACTOR`` x the budget's tokens, ``prefill_chunk`` =
+  ``BOUND_CHUNK`` (the prompt prefilled in chunks, each layer compressed back to the bound after
+  every chunk that leaves more);
 * ``kvzip``: ``kp.hf.compress_context(model, ids, "kvzip", --budget)`` (the query-agnostic
   path: prefill, reconstruction forwards on the uncompressed cache, then compression);
 * ``full+logits`` / ``snapkv+logits``: ``full`` / ``snapkv`` without ``logits_to_keep``, i.e.
@@ -67,7 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 OUT = common.RESULTS / "hf_peak_memory" / "peak.json"
-SETTINGS = ("full", "snapkv", "kvzip", "full+logits", "snapkv+logits", "full+modules")
+SETTINGS = ("full", "snapkv", "snapkv-bounded", "kvzip", "full+logits", "snapkv+logits",
+            "full+modules")
+BOUND_FACTOR, BOUND_CHUNK = 2, 2048  # snapkv-bounded: prefill_max_held = 2 x the budget
 DEFAULT_MODEL = getattr(common, "DEFAULT_MODEL", "qwen2.5-coder-0.5b-instruct")
 TINY = "tiny"  # eval_ruler.tiny_model: a random 2-layer Qwen2, random ids (tests; no download)
 MMAP_THRESHOLD = str(64 * 1024)  # glibc: allocations from 64 KiB get their own mapping
@@ -141,17 +147,31 @@ def prefill(model, tok, ids: torch.Tensor, setting: str, budget: float) -> dict:
                 probe and probe.remove()
             keep = out.past_key_values
             comp_bytes, held = 0, keep.get_seq_length()
+            peak_held = held
         else:
-            with kp.hf.compress(model, policy, budget) as comp:
+            with kp.hf.compress(model, "snapkv", budget, **bounded(ids.shape[1], policy, budget)
+                                ) as comp:
                 out = model(input_ids=ids, use_cache=True, **kw)
             keep, comp_bytes, held = (out.past_key_values, comp), comp.nbytes, comp.compressed_len
+            peak_held = comp.peak_held
         seconds = time.perf_counter() - t0
         cache = out.past_key_values
         logits = out.logits.untyped_storage().nbytes()
         del out
     mods = {} if probe is None else {"module_peaks": probe.peaks, "hwm_kb": probe.hwm_kb}
     return {"keep": keep, "seconds": seconds, "kv_bytes": kp.hf.kv_bytes(cache),
-            "state_bytes": comp_bytes, "held_tokens": held, "logits_bytes": logits, **mods}
+            "state_bytes": comp_bytes, "held_tokens": held, "peak_held": peak_held,
+            "logits_bytes": logits, **mods}
+
+
+def bounded(n: int, policy: str, budget: float) -> dict:
+    """kp.hf.compress's bounded-prefill options for ``policy`` ("snapkv-bounded"; none else)."""
+    import kvprune_cuda as kp
+
+    if policy != "snapkv-bounded":
+        return {}
+    kept = kp.policy.make("snapkv", budget=budget).kept_tokens(n)
+    return {"prefill_max_held": BOUND_FACTOR * kept, "prefill_chunk": BOUND_CHUNK}
 
 
 class ModulePeaks:
@@ -196,8 +216,19 @@ def analytic(shape: dict, n: int, setting: str, budget: float, bpe: int) -> dict
     L, hkv, d = shape["layers"], shape["kv_heads"], shape["head_dim"]
     layer = 2 * hkv * n * d * bpe
     policy = setting.split("+")[0]
-    kept = n if policy == "full" else kp.policy.make(policy, budget=budget).kept_tokens(n)
+    kept = n if policy == "full" else kp.policy.make(policy.split("-")[0],
+                                                     budget=budget).kept_tokens(n)
     comp_layer = 2 * hkv * min(kept, n) * d * bpe
+    if policy == "snapkv-bounded" and n > BOUND_CHUNK:  # every layer at the bound, one the chunk more
+        token = 2 * hkv * d * bpe
+        bound = bounded(n, policy, budget)["prefill_max_held"]
+        return {"dense_kv_hand": L * layer, "layer_kv": layer, "kept_tokens_hand": min(kept, n),
+                "compressed_kv_hand": L * comp_layer,
+                "one_layer_plus_rest": layer + (L - 1) * comp_layer,
+                "kv_high_water": (L * bound + BOUND_CHUNK) * token,
+                "mlp_intermediate": BOUND_CHUNK * shape["intermediate"] * bpe,
+                "hidden_state": BOUND_CHUNK * shape["hidden"] * bpe,
+                "all_logits": BOUND_CHUNK * shape["vocab"] * bpe}
     return {"dense_kv_hand": L * layer, "layer_kv": layer, "kept_tokens_hand": min(kept, n),
             "compressed_kv_hand": L * comp_layer,
             # the KV high-water mark: while the last layer compresses, its full K/V and the
