@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,7 +144,37 @@ def test_build_info_names_the_cpu_kernels_the_cpu_supports():
     avx512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags
     expected = ("avx512bf16" if avx512 and "avx512_bf16" in flags else "avx512" if avx512
                 else "avx2" if {"avx2", "fma", "f16c"} <= flags else "baseline")
-    assert kp.build_info()["cpu_kernels"] == expected
+    assert kp.build_info()["cpu_kernels"] == os.environ.get("KVPRUNE_CPU_KERNELS") or expected
+
+
+_SCORES_IN_A_CHILD = """
+import torch, kvprune_cuda as kp
+from kvprune_cuda import reference as ref
+print(kp.build_info()["cpu_kernels"])
+g = torch.Generator().manual_seed(0)
+q = torch.randn(2, 4, 8, 64, generator=g).bfloat16()
+k = torch.randn(2, 2, 300, 64, generator=g).bfloat16()
+got, want = kp.window_scores(q, k), ref.window_scores(q.double(), k.double())
+print(float((got.double() - want).abs().max() / want.abs().max()))
+"""
+
+
+def test_kvprune_cpu_kernels_picks_the_variant_and_names_a_wrong_one():
+    """KVPRUNE_CPU_KERNELS runs the named variant (baseline: every host has it) with the same
+    scores as the reference; a name the CPU lacks or no variant has is refused, named."""
+    def child(value):
+        env = {**os.environ, "KVPRUNE_CPU_KERNELS": value}
+        return subprocess.run([sys.executable, "-c", _SCORES_IN_A_CHILD], env=env, cwd="/tmp",
+                              capture_output=True, text=True, timeout=300)
+
+    run = child("baseline")
+    assert run.returncode == 0, run.stderr[-2000:]
+    name, error = run.stdout.split()
+    assert name == "baseline" and float(error) < 1e-5
+    run = child("avx9000")
+    assert run.returncode != 0
+    assert ("KVPRUNE_CPU_KERNELS=avx9000: expected one of avx512bf16, avx512, avx2, baseline"
+            in run.stderr)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
