@@ -238,3 +238,30 @@ def test_a_bounded_prefill_compresses_each_earlier_chunk_over_the_bound():
     assert kept_after == [None, 300, 300, 160]
     assert rules.compresses(p, 768, 232, 1000, 0, 0, 150) is None  # the budget keeps them all
     assert bound.target(pinned=512) == 512 + 32 and bound.peak(256) == 556
+
+
+def test_the_plugin_checks_a_bounded_engine_against_its_peak():
+    """The start-up check's length (kvprune_cuda.vllm.plugin, no vLLM needed): the most one
+    request holds, when both the prefill and the generation are bounded and that is below
+    max_model_len; vLLM's own check (None) otherwise."""
+    from types import SimpleNamespace
+
+    from kvprune_cuda.vllm.plugin import bounded_length
+
+    def engine(max_model_len=32768, original=32768, **kv):
+        return SimpleNamespace(
+            additional_config=kp.vllm.engine_args("snapkv", 0.16, **kv)["additional_config"],
+            model_config=SimpleNamespace(max_model_len=max_model_len,
+                                         original_max_model_len=original),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+
+    rule = dict(decode="snapkv", max_held=4096, interval=256)
+    assert bounded_length(engine(prefill_max_held=4096, **rule)) == 4096 + 2048 + 256
+    assert bounded_length(engine(prefill_max_held=1024, **rule)) == 4096 + 256  # the rule's
+    assert bounded_length(engine(prefill_max_held=4096)) is None           # generation unbounded
+    assert bounded_length(engine(**rule)) is None                          # prefill unbounded
+    assert bounded_length(engine(6000, 6000, prefill_max_held=4096, **rule)) is None  # fits
+    assert bounded_length(engine(32768, -1, prefill_max_held=4096, **rule)) is None  # vLLM fits
+    plain = engine(prefill_max_held=4096, **rule)
+    plain.additional_config = {}
+    assert bounded_length(plain) is None
