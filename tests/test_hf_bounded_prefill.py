@@ -122,4 +122,9 @@ def test_bad_bounded_prefill_arguments(model, gen):
                         prefill_chunk=CHUNK):
         with pytest.raises(ValueError, match="attention_mask: a bounded prefill"):
             _gen(model, ids, mask)
+        with pytest.raises(ValueError, match="output_hidden_states: a bounded prefill"):
+            model(input_ids=ids[:1], output_hidden_states=True)
+        with torch.no_grad():  # no cache given: one is made, and held bounded
+            out = model(input_ids=ids[:1])
+    assert out.past_key_values.get_seq_length() == BUDGET
     assert "forward" not in model.model.__dict__  # detached: the class's forward again

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -34,7 +35,8 @@ import torch
 from kvprune_cuda import policy as policies
 from kvprune_cuda._args import check_int
 from kvprune_cuda.hf import scoring, select
-from kvprune_cuda.hf._compat import cache_arg, cache_kv, takes_cache_position
+from kvprune_cuda.hf._compat import (cache_arg, cache_kv, cache_name, new_dynamic_cache,
+                                     takes_cache_position)
 from kvprune_cuda.hf.decode_step import decode_step
 from kvprune_cuda.hf.memory import tensor_bytes
 from kvprune_cuda.hf.scoring import FIXED, LayerState
@@ -162,17 +164,19 @@ class KVCompressor:
     # ----------------------------------------------------------------- bounded prefill
     def _splits(self, args, kwargs) -> bool:
         """Whether this base forward is a prompt that the bounded prefill splits in chunks:
-        longer than ``prefill_chunk`` tokens, on an empty cache."""
+        longer than ``prefill_chunk`` tokens, on an empty cache (or none yet: one is made)."""
         if self.prefill_bound is None or self._prompt_end is not None:
             return False
         ids = kwargs.get("input_ids", args[0] if args else None)
         x = ids if ids is not None else kwargs.get("inputs_embeds")
         cache = cache_arg(kwargs)
-        return (x is not None and x.shape[1] > self.prefill_chunk and cache is not None
-                and cache.get_seq_length() == 0)
+        return (x is not None and x.shape[1] > self.prefill_chunk
+                and kwargs.get("use_cache") is not False
+                and (cache is None or cache.get_seq_length() == 0))
 
     def _chunking(self, forward):
         """``forward`` (the base model's), running a prompt :meth:`_splits` as chunks."""
+        @functools.wraps(forward)  # its signature (cache_name, takes_cache_position read it)
         def run(*args, **kwargs):
             if not self._splits(args, kwargs):
                 return forward(*args, **kwargs)
@@ -193,8 +197,14 @@ class KVCompressor:
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
             raise ValueError("attention_mask: a bounded prefill (prefill_max_held) needs rows "
                              "without padding")
+        for flag in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(flag):
+                raise ValueError(f"{flag}: a bounded prefill (prefill_max_held) runs the prompt "
+                                 "in chunks and returns the last chunk's outputs only")
         by_position = {k: kwargs.pop(k) for k in ("position_ids", "cache_position")
                        if isinstance(kwargs.get(k), torch.Tensor)}
+        if cache_arg(kwargs) is None:
+            kwargs[cache_name(self.base)] = new_dynamic_cache()
         n = x.shape[1]
         self._prompt_end = n
         try:
