@@ -22,6 +22,13 @@ preemptions (``vllm:num_preemptions_total`` over the run), and pass keys right (
 with each needle's depth in the result file). Before the runs, each server answers one short
 warm-up request of its own (not one of the measured prompts: a measured prompt would then be
 a prefix-cache hit on the dense server, and costs a whole prefill at long prompts).
+
+``--pool-requests`` may be a fraction (a pool smaller than one dense request: prompts longer
+than the pool, which only a bounded prefill with a decode-time rule, ``--decode``, serves).
+Per kvprune run, the blocks each request held over time, from the server's own kvprune lines
+(one per compression: the blocks before and after it; :func:`block_trace`), go into the
+result file; ``--trace LOG`` plots such a trace from a server log
+(``<out>_<mode>_<setting>.log``) to ``LOG``'s name with ``.png``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import threading
 import time
@@ -117,6 +125,45 @@ def workload(server, reqs, gen, arrivals):
             "n": len(reqs)}
 
 
+TRACE_LINE = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d) \[scheduler\.py:\d+\] kvprune_cuda: request "
+                        r"(\S+) keeps (\d+) of (\d+) tokens, (\d+) blocks freed")
+
+
+def block_trace(log_text: str) -> dict:
+    """Per request (vLLM's id), from the server log's kvprune lines: [seconds since the first
+    line, blocks held before the compression, after it, tokens kept, positions computed]."""
+    trace: dict = {}
+    t0 = None
+    for stamp, req, kept, positions, freed in TRACE_LINE.findall(log_text):
+        t = time.mktime(time.strptime("2000-" + stamp, "%Y-%m-%d %H:%M:%S"))
+        t0 = t if t0 is None else t0
+        after = -(-int(kept) // BLOCK)
+        trace.setdefault(req, []).append([t - t0, after + int(freed), after, int(kept),
+                                          int(positions)])
+    return trace
+
+
+def plot_trace(trace: dict, path: Path, title: str) -> None:
+    """Blocks held per request against time (a step line through before / after each
+    compression)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for points in trace.values():
+        xs, ys = [], []
+        for t, before, after, _, _ in points:
+            xs += [t, t]
+            ys += [before, after]
+        ax.plot(xs, ys, lw=1)
+    ax.set_xlabel("seconds (server log clock)")
+    ax.set_ylabel("blocks held (before / after each compression)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def table(rows, meta):
     lines = [f"Machine: {meta['machine']}; vLLM {meta['vllm']} OpenAI server (engine core and "
              f"worker in their own processes; chunked prefill, prefix caching on); "
@@ -147,7 +194,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=36)
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--gen", type=int, default=32, help="generated tokens per request")
-    ap.add_argument("--pool-requests", type=int, default=4)
+    ap.add_argument("--pool-requests", type=float, default=4,
+                    help="the KV pool in dense requests (a fraction: smaller than one)")
     ap.add_argument("--budget", type=float, default=0.16)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
     ap.add_argument("--modes", nargs="+", default=["compile", "eager"],
@@ -158,11 +206,24 @@ def main() -> None:
                     choices=["dense", "snapkv", "snapkv-bounded"])
     ap.add_argument("--prefill-held", type=float, default=2.0,
                     help="snapkv-bounded: prefill_max_held as a multiple of the budget's tokens")
+    ap.add_argument("--decode", default=None, help="decode-time rule of the kvprune settings")
+    ap.add_argument("--max-held", type=int, default=None)
+    ap.add_argument("--interval", type=int, default=None)
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="only plot the block trace of this server log")
     ap.add_argument("--dtype", default="float32")
     common.add_model_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "vllm_server.json")
     args = ap.parse_args()
+    if args.trace:
+        trace = block_trace(args.trace.read_text())
+        plot_trace(trace, args.trace.with_suffix(".png"), args.trace.name)
+        common.write_json(args.trace.with_suffix(".trace.json"), trace)
+        print(f"{len(trace)} requests; peak blocks per request "
+              f"{max(p[1] for ps in trace.values() for p in ps)}; wrote "
+              f"{args.trace.with_suffix('.png')}")
+        return
     common.run_meta()  # the machine line (threads) as the run starts, before vLLM loads
 
     import vllm
@@ -184,14 +245,15 @@ def main() -> None:
         t += rng.expovariate(args.rate)
     arrivals = {"burst": [0.0] * len(reqs), "poisson": poisson}
     prompt_blocks = -(-(max(len(p) for p, _ in reqs) + args.gen) // BLOCK)
-    pool = args.pool_requests * prompt_blocks + 1
+    pool = int(args.pool_requests * prompt_blocks) + 1
     common_flags = ["--served-model-name", "m", "--dtype", args.dtype, "--block-size", str(BLOCK), "--seed", "0",
                     "--max-model-len", str(args.tokens + args.gen + 64),
                     "--num-gpu-blocks-override", str(pool), "--max-num-seqs", "96"]
     bound = int(args.prefill_held * kp.policy.resolve_budget(args.budget, args.tokens))
-    settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget),
+    rule = dict(decode=args.decode, max_held=args.max_held, interval=args.interval)
+    settings = {"dense": [], "snapkv": kp.vllm.server_args("snapkv", args.budget, **rule),
                 "snapkv-bounded": kp.vllm.server_args("snapkv", args.budget,
-                                                      prefill_max_held=bound)}
+                                                      prefill_max_held=bound, **rule)}
     settings = {name: settings[name] for name in args.settings}
     rows = []
     for mode in args.modes:
@@ -207,6 +269,8 @@ def main() -> None:
                 for wl in args.workloads:
                     result = workload(server, reqs, args.gen, arrivals[wl])
                     rows.append({"mode": mode, "setting": name, "workload": wl, **result})
+                    if flags:
+                        rows[-1]["block_trace"] = block_trace(server.text())
                     print(json.dumps(rows[-1]), flush=True)
             finally:
                 server.stop()
@@ -214,6 +278,7 @@ def main() -> None:
             "prompt_tokens": args.tokens, "gen": args.gen, "pool_blocks": pool,
             "pool_requests": args.pool_requests, "rate": args.rate, "dtype": args.dtype,
             "prefill_max_held": bound if "snapkv-bounded" in settings else None,
+            "decode": rule,
             "needle_depths": depths}
     print(table(rows, meta))
     common.write_json(args.out, {"meta": meta, "args": common.args_dict(args), "rows": rows})
