@@ -144,7 +144,7 @@ def test_build_info_names_the_cpu_kernels_the_cpu_supports():
     avx512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags
     expected = ("avx512bf16" if avx512 and "avx512_bf16" in flags else "avx512" if avx512
                 else "avx2" if {"avx2", "fma", "f16c"} <= flags else "baseline")
-    assert kp.build_info()["cpu_kernels"] == os.environ.get("KVPRUNE_CPU_KERNELS") or expected
+    assert kp.build_info()["cpu_kernels"] == (os.environ.get("KVPRUNE_CPU_KERNELS") or expected)
 
 
 _SCORES_IN_A_CHILD = """

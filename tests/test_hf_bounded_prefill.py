@@ -19,7 +19,7 @@ from kvprune_cuda import reference as ref  # noqa: E402
 
 from test_hf import N_LAYERS, _eager_capture, _gen, _ids, model  # noqa: E402,F401
 
-N, CHUNK, BOUND, BUDGET, W = 200, 48, 40, 24, 8
+N, CHUNK, BOUND, BUDGET, W = 196, 48, 40, 24, 8  # the last chunk (4) is shorter than W
 OPTS = dict(n_sink=4, window=W, kernel_size=5, pool_shift=2)
 
 
@@ -30,18 +30,18 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
         with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
                             prefill_chunk=CHUNK) as comp:
             model(input_ids=ids, past_key_values=cache, use_cache=True)
-    # held after each chunk, by hand: 48 -> 40, 40+48 = 88 -> 40 (x3), 40+8 = 48 -> 24 (the budget)
+    # held after each chunk, by hand: 48 -> 40, 40+48 = 88 -> 40 (x3), 40+4 = 44 -> 24 (the budget)
     assert comp.peak_held == BOUND + CHUNK == 88
     assert (comp.prompt_len, comp.compressed_len) == (N, BUDGET)
     for i in range(N_LAYERS):
         chunks = calls[i]
-        assert [c[0].shape[2] for c in chunks] == [48, 48, 48, 48, 8]
-        assert [c[1].shape[2] for c in chunks] == [48, 88, 88, 88, 48]
+        assert [c[0].shape[2] for c in chunks] == [48, 48, 48, 48, 4]
+        assert [c[1].shape[2] for c in chunks] == [48, 88, 88, 88, 44]
         queries = torch.cat([c[0] for c in chunks], 2)  # every prompt query, in order
         seen = 0
         for j, (q, k, _) in enumerate(chunks):
             seen += q.shape[2]
-            window = queries[:, :, seen - W:seen]
+            window = queries[:, :, seen - W:seen]  # the last one spans two chunks
             kept = BUDGET if j == len(chunks) - 1 else BOUND
             exp_k = ref.snapkv(window, k, k, kept, **OPTS)[0]
             got = (hf.cache_kv(cache, i)[0] if j == len(chunks) - 1
@@ -81,7 +81,8 @@ def test_a_bound_above_the_prompt_generates_what_the_unbounded_prefill_does(mode
 
 def test_generate_after_a_bounded_prefill_continues_at_the_original_positions(model, gen):
     """A prompt 5x the bound: the generated tokens are those of a manual decode on the
-    bounded cache (positions n, n+1, ...), and the peak stays the bound plus one chunk."""
+    bounded cache whose positions the hooks count themselves (n, n+1, ...: generate's come
+    from its mask), and the peak stays the bound plus one chunk."""
     ids = _ids(gen, 1, N)
     cache = transformers.DynamicCache()
     with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
@@ -91,7 +92,7 @@ def test_generate_after_a_bounded_prefill_continues_at_the_original_positions(mo
         tokens = [int(manual.argmax(-1))]
         for t in range(5):
             step = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                         use_cache=True, position_ids=torch.tensor([[N + t]]))
+                         use_cache=True)
             tokens.append(int(step.logits[0, -1].argmax()))
     assert out[0, N:].tolist() == tokens
     assert comp.peak_held == BOUND + CHUNK
@@ -124,7 +125,14 @@ def test_bad_bounded_prefill_arguments(model, gen):
             _gen(model, ids, mask)
         with pytest.raises(ValueError, match="output_hidden_states: a bounded prefill"):
             model(input_ids=ids[:1], output_hidden_states=True)
-        with torch.no_grad():  # no cache given: one is made, and held bounded
-            out = model(input_ids=ids[:1])
+        with pytest.raises(ValueError, match=r"attention_mask: a bounded prefill .* takes a \[B, n\]"):
+            model(input_ids=ids[:1], attention_mask=mask[:1, None, None, :].float())
+        with pytest.raises(ValueError, match="token_type_ids: a bounded prefill"):
+            model(input_ids=ids[:1], token_type_ids=torch.zeros_like(ids[:1]))
+        with torch.no_grad():
+            short = _gen(model, ids[:1, :CHUNK], n=4)  # after the refusals: not split
+            out = model(input_ids=ids[:1])  # no cache given: one is made, and held bounded
     assert out.past_key_values.get_seq_length() == BUDGET
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS):  # what the unbounded compressor gives
+        assert torch.equal(short, _gen(model, ids[:1, :CHUNK], n=4))
     assert "forward" not in model.model.__dict__  # detached: the class's forward again

@@ -16,10 +16,11 @@ h2o) fills its own. With a decode-time rule (``decode=``,
 forwards the rule picks (every ``interval`` generated tokens, once it holds more than
 ``max_held``), snapkv voting with the last ``window`` decode queries, h2o by each held
 key's attention summed over the decode forwards. With ``prefill_max_held`` (:class:`~kvprune_cuda.policy.PrefillBound`) a prompt
-longer than ``prefill_chunk`` tokens is prefilled in chunks (the base model's forward runs once
-per chunk, each chunk a forward on the cache the chunks before left) and after each chunk a
-layer holding more than ``prefill_max_held`` tokens is compressed back to it, so the cache's
-peak stays bounded whatever the prompt's length. Only ``DynamicCache``
+longer than ``prefill_chunk`` tokens on an empty cache is prefilled in chunks (the base model's
+forward runs once per chunk, each chunk a forward on the cache the chunks before left) and
+after each chunk a layer holding more than ``prefill_max_held`` tokens is compressed back to
+it, so the prefill's peak stays bounded whatever the prompt's length (a later long forward on
+a cache already holding tokens is not split). Only ``DynamicCache``
 (the default) with eager or SDPA attention is supported.
 """
 
@@ -105,6 +106,7 @@ class KVCompressor:
         self.intercept: Optional[Callable] = None
         self._prompt_end: Optional[int] = None  # while a bounded prefill runs: its length
         self._outer = False  # the forward that a bounded prefill splits into chunks is running
+        self._chunked = None  # the base model's forward as attach wrapped it (bounded prefill)
         self.reset()
 
     # ----------------------------------------------------------------- state
@@ -152,14 +154,17 @@ class KVCompressor:
             h.append(m.register_forward_pre_hook(self._attn_pre, with_kwargs=True))
             h.append(m.register_forward_hook(self._attn_post, with_kwargs=True))
         if self.prefill_bound is not None:  # the instance's forward, until detach
-            self.base.forward = self._chunking(self.base.forward)
+            self._chunked = self._chunking(self.base.forward)
+            self.base.forward = self._chunked
         return self
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.base.__dict__.pop("forward", None)
+        if self._chunked is not None and self.base.__dict__.get("forward") is self._chunked:
+            del self.base.forward  # the forward it had before attach again
+        self._chunked = None
 
     # ----------------------------------------------------------------- bounded prefill
     def _splits(self, args, kwargs) -> bool:
@@ -184,7 +189,11 @@ class KVCompressor:
                 raise ValueError("prefill_max_held: pass the model's inputs by keyword")
             if args:
                 kwargs["input_ids"] = args[0]
-            return self._prefill_in_chunks(kwargs)
+            try:
+                return self._prefill_in_chunks(kwargs)
+            except BaseException:  # _base_post will not run: the split forward ends here
+                self._outer = False
+                raise
         return run
 
     def _prefill_in_chunks(self, kwargs: dict):
@@ -194,7 +203,10 @@ class KVCompressor:
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         x = kwargs.pop(name)
         mask = kwargs.pop("attention_mask", None)
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            raise ValueError("attention_mask: a bounded prefill (prefill_max_held) takes a "
+                             "[B, n] mask (or none)")
+        if mask is not None and not bool(mask.bool().all()):
             raise ValueError("attention_mask: a bounded prefill (prefill_max_held) needs rows "
                              "without padding")
         for flag in ("output_hidden_states", "output_attentions"):
@@ -203,9 +215,14 @@ class KVCompressor:
                                  "in chunks and returns the last chunk's outputs only")
         by_position = {k: kwargs.pop(k) for k in ("position_ids", "cache_position")
                        if isinstance(kwargs.get(k), torch.Tensor)}
+        n = x.shape[1]
+        per_token = [k for k, t in kwargs.items()
+                     if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n]
+        if per_token:  # not split by this code: refused rather than given whole to each chunk
+            raise ValueError(f"{per_token[0]}: a bounded prefill (prefill_max_held) splits "
+                             "input_ids / inputs_embeds, attention_mask and positions only")
         if cache_arg(kwargs) is None:
             kwargs[cache_name(self.base)] = new_dynamic_cache()
-        n = x.shape[1]
         self._prompt_end = n
         try:
             for start in range(0, n, self.prefill_chunk):
