@@ -265,3 +265,18 @@ def test_the_plugin_checks_a_bounded_engine_against_its_peak():
     plain = engine(prefill_max_held=4096, **rule)
     plain.additional_config = {}
     assert bounded_length(plain) is None
+
+
+def test_a_resumed_requests_replay_is_bounded_up_to_vllms_prefill_end():
+    """A request preempted after 300 outputs replays 1000 + 299 tokens (vLLM's prefill end:
+    the last output's KV is the next step's): every replay chunk ending before that is
+    bounded, the chunk crossing the prompt's end included (the prompt's own compression does
+    not apply to a resumed request)."""
+    p = engine_policy("snapkv", 0.16)
+    bound = kp.policy.make_prefill_bound(300, p)
+    assert rules.prefill_end(1000, 0) == 1000 and rules.prefill_end(1000, 300) == 1299
+    assert rules.compresses(p, 768, 256, 1000, 300, 0, 556) is None
+    assert rules.prefill_compresses(bound, 768, 256, 1000, 556, 0, 300) == 300  # crosses 1000
+    assert rules.prefill_compresses(bound, 1024, 256, 1000, 556, 0, 300) == 300
+    assert rules.prefill_compresses(bound, 1280, 19, 1000, 319, 0, 300) is None  # the last
+    assert rules.prefill_compresses(bound, 768, 232, 1000, 532) is None  # a prompt's last chunk

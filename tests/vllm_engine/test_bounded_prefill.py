@@ -45,10 +45,12 @@ def hf_bounded(hf_model, prompt):
     return gen[0, len(prompt):].tolist()
 
 
-def run_steps(llm, requests, abort_after=None):
+def run_steps(llm, requests, abort_after=None, later=None, hits=None):
     """Steps the engine through ``requests`` ({id: prompt}); per step the blocks each request
     holds once the step is scheduled (its new tokens' slots allocated, none freed yet).
-    ``abort_after``: (id, step) aborts that request after that step."""
+    ``abort_after``: (id, step) aborts that request after that step; ``later``: (step,
+    {id: prompt}) adds those after that step; ``hits`` (a dict) gets each request's
+    prefix-cache hits as the scheduler saw them."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     params = vllm.SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True,
@@ -61,6 +63,8 @@ def run_steps(llm, requests, abort_after=None):
 
     def scheduled(*args, **kwargs):
         out = schedule(*args, **kwargs)
+        if hits is not None:
+            hits.update({r.rsplit("-", 1)[0]: n for r, n in scheduler._prefix_hits.items()})
         blocks.append({r.rsplit("-", 1)[0]: len(b)  # vLLM's id: ours and a suffix
                        for r, b in manager.req_to_blocks.items() if b})
         return out
@@ -73,6 +77,9 @@ def run_steps(llm, requests, abort_after=None):
         step += 1
         if abort_after is not None and step == abort_after[1]:
             engine.abort_request([abort_after[0]])
+        if later is not None and step == later[0]:
+            for req_id, prompt in later[1].items():
+                engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
     engine.step()  # an empty step delivers the finished ids to the worker
     return tokens, blocks, scheduler
 
@@ -113,6 +120,29 @@ def test_aborted_mid_prefill_loses_no_block_and_spares_the_other(model_dir, hf_m
     assert tokens["kept"] == hf_bounded(hf_model, long_prompts[0])
 
 
+def test_a_long_prompt_another_request_repeats_is_not_shared_and_so_not_pinned(
+        model_dir, hf_model, long_prompts):
+    """Two requests with the same long prompt, the second added once the first's first chunk
+    is computed (and would be in the prefix cache): with a bounded prefill the first's blocks
+    stay out of the prefix cache, so the second hits none of them, neither pins a shared
+    prefix (which would raise its target past the bound), both stay within the bound's peak
+    and both generate kp.hf's tokens (each prefills in chunks of 64: vLLM's cap per request
+    and step, two requests per step)."""
+    llm = make_llm(model_dir, num_gpu_blocks_override=12, max_num_batched_tokens=2 * CHUNK,
+                   long_prefill_token_threshold=CHUNK, **bounded_args(**RULE))
+    hits: dict = {}
+    tokens, blocks, scheduler = run_steps(llm, {"first": long_prompts[0]},
+                                          later=(1, {"second": long_prompts[0]}), hits=hits)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 12 - 1
+    del llm
+    gc.collect()
+    assert hits == {"first": 0, "second": 0}
+    assert max(b.get("first", 0) for b in blocks) == PEAK_BLOCKS
+    assert max(b.get("second", 0) for b in blocks) == PEAK_BLOCKS
+    assert tokens["first"] == tokens["second"] == hf_bounded(hf_model, long_prompts[0])
+
+
 def test_without_a_decode_rule_a_model_length_past_the_pool_is_refused(model_dir, long_prompts):
     """A generation may then grow to max_model_len: vLLM's start-up check stands, with the
     reason and the fix named."""
@@ -123,7 +153,7 @@ def test_without_a_decode_rule_a_model_length_past_the_pool_is_refused(model_dir
     assert "prefill_max_held bounds what a prompt holds while it prefills" in result.stderr
 
 
-def test_the_admission_of_a_bounded_prompt_needs_its_peak_not_its_length():
+def test_the_bounded_rules_by_hand():
     bound = kp.policy.make_prefill_bound(BOUND, kp.vllm.engine_policy("snapkv", BUDGET))
     rule = kp.policy.make_decode(**RULE)
     assert kp.vllm.rules.bounded_peak(bound, rule, CHUNK) == 64 + 64 + 32

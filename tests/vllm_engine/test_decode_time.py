@@ -131,6 +131,6 @@ def test_preempted_after_decode_compression_is_compressed_back(model_dir):
     steps = [p for p in plans if p[0] == victims[0]]
     # before: 100 + 32 -> 64; after the resume, one compression of the dense recompute
     # (100 prompt tokens + every generated token so far) back to 64, then every 32 as before
-    assert steps[0][1:] == (MAX_HELD, 0, 100 + INTERVAL)
+    assert steps[0][1:] == (MAX_HELD, 0, 100 + INTERVAL, "decode")
     resumed = [s for s in steps if s[3] > 100 + 2 * INTERVAL]
     assert resumed and resumed[0][1] == MAX_HELD, steps

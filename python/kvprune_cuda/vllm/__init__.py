@@ -29,8 +29,9 @@ With ``decode=`` (:func:`engine_args`), a long generation is compressed again ev
 generates (:class:`kvprune_cuda.policy.DecodeRule`, the same rule as kp.hf's).
 
 Limits: a request preempted after its first token is recomputed dense and its prompt is not
-compressed again (one preempted during its prefill is compressed when its prompt completes);
-a decode-time rule compresses it back in the step that completes its recompute. CPU_ATTN
+compressed again (one preempted during its prefill is compressed when its prompt completes;
+with ``prefill_max_held`` the replay is bounded chunk by chunk); a decode-time rule
+compresses it back in the step that completes its recompute. CPU_ATTN
 stores K/V in its "vec" layout (the worker selects it). Speculative decoding: n-gram drafts
 beside the prompt's compression only (a draft model, or a decode-time rule, is refused).
 """

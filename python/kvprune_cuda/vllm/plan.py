@@ -19,12 +19,18 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
 
+KINDS = ("prompt", "chunk", "decode")  # what a compression is: the prompt's own at its end, a
+# bounded prefill's after an earlier chunk (kvprune_cuda.policy.PrefillBound), the decode rule's
+
+
 class Compression(NamedTuple):
     """One request's compression in a step: it keeps ``kept`` of the ``held`` tokens it holds
-    once the step's are written, the first ``pinned`` (whole blocks) untouched."""
+    once the step's are written, the first ``pinned`` (whole blocks) untouched; ``kind``: one
+    of :data:`KINDS` (which policy selects, by which evidence)."""
     kept: int
     pinned: int
     held: int
+    kind: str = "prompt"
 
 
 @dataclasses.dataclass(frozen=True)

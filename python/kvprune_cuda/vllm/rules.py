@@ -56,15 +56,22 @@ def compresses(policy: "policies.Policy", num_computed: int, num_scheduled: int,
     return None if kept is None or (held is not None and kept >= held) else kept
 
 
+def prefill_end(prompt_len: int, num_output: int) -> int:
+    """The position where a request's prefill ends, vLLM's rule: its prompt's length, or for a
+    request resumed after preemption (``num_output`` tokens generated) the replay of its
+    prompt and outputs but the last, whose KV the next step writes."""
+    return max(prompt_len, prompt_len + num_output - 1)
+
+
 def prefill_compresses(bound: Optional["policies.PrefillBound"], num_computed: int,
-                       num_scheduled: int, prompt_len: int, held: int,
-                       pinned: int = 0) -> Optional[int]:
-    """Tokens kept by a request whose step computes an earlier chunk of its prompt
-    (``num_scheduled`` tokens from ``num_computed``; also while a request resumed after
-    preemption recomputes its prompt) and then holds
-    ``held`` tokens, the first ``pinned`` whole: the bound's target once ``held`` is over it
-    (:meth:`~kvprune_cuda.policy.PrefillBound.compresses`); None: no compression."""
-    if bound is None or num_computed + num_scheduled >= prompt_len:
+                       num_scheduled: int, prompt_len: int, held: int, pinned: int = 0,
+                       num_output: int = 0) -> Optional[int]:
+    """Tokens kept by a request whose step computes an earlier chunk of its prefill
+    (``num_scheduled`` tokens from ``num_computed``, ending before :func:`prefill_end`: a
+    prompt's, or a resumed request's replay of its prompt and ``num_output`` outputs) and then
+    holds ``held`` tokens, the first ``pinned`` whole: the bound's target once ``held`` is over
+    it (:meth:`~kvprune_cuda.policy.PrefillBound.compresses`); None: no compression."""
+    if bound is None or num_computed + num_scheduled >= prefill_end(prompt_len, num_output):
         return None
     return bound.compresses(held, False, pinned)
 

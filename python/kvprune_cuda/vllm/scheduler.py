@@ -16,11 +16,13 @@
   request resumed after preemption (recomputed dense) is compressed back in the step that
   completes its recompute, then as before;
 * with a bounded prefill (``engine_args(prefill_max_held=...)``), a request whose step computes
-  an earlier chunk of its prompt and leaves it holding more than the bound is compressed too
+  an earlier chunk of its prefill (its prompt, or a resumed request's replay) and leaves it
+  holding more than the bound is compressed too
   (:func:`~kvprune_cuda.vllm.rules.prefill_compresses`), the same way; vLLM admits a new
-  request when its full sequence fits the free blocks, which for such a prompt is checked
-  against the most it will hold (the bound, one chunk and its generation so far), not its
-  length;
+  request when its full sequence fits the free blocks, which for such a request is checked
+  against the most it will hold while it prefills (the bound past its prefix-cache hits and
+  one chunk), not its length; its blocks stay out of the prefix cache (no other request can
+  share, and so pin, blocks that the next chunks rewrite);
 * after such a step, the blocks past its kept tokens leave the request and go back to the
   ``BlockPool`` (the workers have compacted the kept tokens into the first blocks);
 * from then on, slots are allocated for ``num_computed_tokens - evicted`` held tokens:
@@ -29,8 +31,8 @@
   original positions and every stop criterion (max_tokens, max_model_len) is unchanged.
 
 A preempted request frees all its blocks as usual and is recomputed in full (prompt and
-outputs, which is not a prompt-only step, so its prompt stays uncompressed; a decode-time
-rule compresses it again).
+outputs, which is not a prompt-only step, so its prompt is not compressed to the budget; a
+bounded prefill bounds the replay chunk by chunk, and a decode-time rule compresses it again).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Scheduler(_VllmScheduler):
             lambda request, *a, **kw: self._allocate_held(allocate, request, *a, **kw))
         manager.coordinator.cache_blocks = (
             lambda request, *a, **kw: None if request.request_id in self.kvprune_held
-            else cache(request, *a, **kw))
+            or self._bounded(request) else cache(request, *a, **kw))
 
     def _allocate_held(self, allocate, request, *args, **kwargs):
         held = self.kvprune_held.get(request.request_id)
@@ -98,14 +100,20 @@ class Scheduler(_VllmScheduler):
         finally:
             request.num_computed_tokens += held.evicted
 
+    def _bounded(self, request) -> bool:
+        """Whether a bounded prefill compresses ``request`` before its prompt ends."""
+        bound = self.kvprune_prefill
+        return bound is not None and request.num_prompt_tokens > bound.target()
+
     def _admit_bounded(self, allocate, request, *args, **kwargs):
         """vLLM's allocation for a request it admits, its check that the full sequence fits
         the free blocks made against the most a bounded prefill holds of it (the bound past
-        its prefix-cache hits, one chunk, the outputs it replays): the manager's length cap
-        is that many tokens during the call (the slots this step needs are within it)."""
+        its prefix-cache hits and one chunk; a resumed request's replay is bounded the same
+        way): the manager's length cap is that many tokens during the call (the slots this
+        step needs are within it)."""
         manager = self.kv_cache_manager
         hits = kwargs.get("num_new_computed_tokens", 0) + request.num_computed_tokens
-        most = self.kvprune_prefill.peak(self._chunk, hits) + request.num_output_tokens
+        most = self.kvprune_prefill.peak(self._chunk, hits)
         if most >= manager.max_model_len:
             return allocate(request, *args, **kwargs)
         length, manager.max_model_len = manager.max_model_len, most
@@ -130,19 +138,20 @@ class Scheduler(_VllmScheduler):
             pinned = held.pinned if held else max(self._prefix_hits.get(req_id, 0),
                                                   self._shared_tokens(req_id))
             tokens = num_computed + scheduled - (held.evicted if held else 0)  # held after it
-            kept = rules.compresses(self.kvprune_policy, num_computed, scheduled,
-                                    request.num_prompt_tokens, request.num_output_tokens,
-                                    pinned, tokens)
+            kind, kept = "prompt", rules.compresses(
+                self.kvprune_policy, num_computed, scheduled, request.num_prompt_tokens,
+                request.num_output_tokens, pinned, tokens)
             if kept is None:
-                kept = rules.prefill_compresses(self.kvprune_prefill, num_computed, scheduled,
-                                                request.num_prompt_tokens, tokens, pinned)
+                kind, kept = "chunk", rules.prefill_compresses(
+                    self.kvprune_prefill, num_computed, scheduled, request.num_prompt_tokens,
+                    tokens, pinned, request.num_output_tokens)
             if kept is None:
-                kept = rules.decode_compresses(self.kvprune_decode, num_computed, scheduled,
-                                               request.num_prompt_tokens,
-                                               request.num_output_tokens, tokens, pinned)
+                kind, kept = "decode", rules.decode_compresses(
+                    self.kvprune_decode, num_computed, scheduled, request.num_prompt_tokens,
+                    request.num_output_tokens, tokens, pinned)
             if kept is not None:
                 self._compressing[req_id] = Held(kept, pinned, num_computed + scheduled - kept)
-                plan[req_id] = Compression(kept, pinned, tokens)
+                plan[req_id] = Compression(kept, pinned, tokens, kind)
                 self._uncache_own_blocks(req_id, pinned)
         self._steps += 1
         self._busy |= bool(steps)

@@ -66,7 +66,7 @@ class _Row:
     kept: int = 0
     pinned: int = 0  # leading tokens kept whole (block-aligned; never rewritten)
     tokens: int = 0  # tokens the request holds once this step's are written
-    decode: bool = False  # a decode-time compression (else the prompt's)
+    kind: str = "prompt"  # plan.KINDS: the prompt's own, a bounded chunk's, the decode rule's
     positions: int = 0    # positions computed once this step is done
     past_prompt: int = 0  # this step's tokens past the prompt (rows the decode rule observes)
 
@@ -140,11 +140,11 @@ class RunnerHooks:
             new = rules.decode_positions(computed, scheduled, prompt_len, generated)
             decoding = new > 0
             if req_id in compress:
-                kept, pinned, tokens = compress[req_id]
+                kept, pinned, tokens, kind = compress[req_id]
                 if pinned % self.block_size:
                     raise RuntimeError(f"kvprune_cuda.vllm: pinned prefix {pinned} of "
                                        f"{req_id} is not whole blocks of {self.block_size}")
-                self.plan.append(_Row(req_id, row, prompt_len, kept, pinned, tokens, decoding,
+                self.plan.append(_Row(req_id, row, prompt_len, kept, pinned, tokens, kind,
                                       computed + scheduled))
             elif rules.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
@@ -194,7 +194,7 @@ class RunnerHooks:
             else:
                 self._decode_window(row.req_id, layer, new_queries)
         for row in self.plan:
-            if row.decode:
+            if row.kind == "decode":
                 policy = self.decode.policy
                 queries = (self._decode_window(row.req_id, layer)
                            if policy.observed_queries(1) and not self.decode.accumulates
@@ -203,7 +203,7 @@ class RunnerHooks:
                 policy, queries = self.policy, self._window(row, layer, rows(row))
             row_blocks = blocks(row)
             policy = rules.with_pinned(policy, row.kept, row.pinned)
-            if row.decode and self.decode.accumulates:  # h2o: by the sums, no key read
+            if row.kind == "decode" and self.decode.accumulates:  # h2o: by the sums
                 evidence = self.decode_evidence[row.req_id]
                 idx = kp.select_keep(evidence[layer], row.kept, n_sink=policy.n_sink,
                                      window=policy.window)
@@ -212,6 +212,10 @@ class RunnerHooks:
                 keys = keys_of(row, row_blocks)
                 idx = kept_indices(policy, queries.transpose(0, 1).unsqueeze(0), keys, row.kept,
                                    scale=module.impl.scale)  # queries [M, Hq, D] -> [1, Hq, M, D]
+                sums = (self.decode_evidence.get(row.req_id)
+                        if self.decode is not None and self.decode.accumulates else None)
+                if sums is not None and sums[layer] is not None:  # a replay's h2o sums follow
+                    sums[layer] = sums[layer].gather(2, idx.long())
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
             compact_request(cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
@@ -263,8 +267,7 @@ class RunnerHooks:
         finally:
             plan, self.plan, self.decoding = self.plan, [], []
             recorded, self.recording = {row.req_id for row in self.recording}, []
-            recorded |= {row.req_id for row in plan  # a bounded prefill's earlier chunk
-                         if not row.decode and row.positions < row.prompt_len}
+            recorded |= {row.req_id for row in plan if row.kind == "chunk"}  # more to come
             for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
                 if req_id not in recorded:
                     self.window_queries.pop(req_id, None)
