@@ -23,12 +23,29 @@ N, CHUNK, BOUND, BUDGET, W = 196, 48, 40, 24, 8  # the last chunk (4) is shorter
 OPTS = dict(n_sink=4, window=W, kernel_size=5, pool_shift=2)
 
 
-def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chunk(model, gen):
+def _expected_max(q, k, carried):
+    """The "max" signal's kept positions of a chunk whose attention got queries ``q`` and
+    keys ``k``, by the reference, and the running maxima after it (``carried``: before)."""
+    fresh = ref.window_scores(q.double(), k.double(), gqa="max", qreduce="max").float()
+    if carried is not None:
+        fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]], carried)
+    pooled = ref.pool_scores(fresh, 5, "max", window=W, shift=2)
+    idx = ref.select_keep(pooled, BOUND, n_sink=4, window=W).long()
+    return idx, fresh.gather(2, idx)
+
+
+@pytest.mark.parametrize("signal", ["max", "window"])
+def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chunk(
+        model, gen, signal):
+    """After each chunk, what the next chunk's attention received begins with the reference's
+    selection of what this one's received: "max" by the running maximum over every prompt
+    query so far of each key's attention (ref.window_scores qreduce "max"), pooled; "window"
+    by ref.snapkv voted for by the last W queries; the last chunk keeps ref.snapkv's budget."""
     ids = _ids(gen, 1, N)
     cache = transformers.DynamicCache()
     with _eager_capture(model) as calls, torch.no_grad():
         with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
-                            prefill_chunk=CHUNK) as comp:
+                            prefill_chunk=CHUNK, prefill_signal=signal) as comp:
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     # held after each chunk, by hand: 48 -> 40, 40+48 = 88 -> 40 (x3), 40+4 = 44 -> 24 (the budget)
     assert comp.peak_held == BOUND + CHUNK == 88
@@ -38,14 +55,18 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
         assert [c[0].shape[2] for c in chunks] == [48, 48, 48, 48, 4]
         assert [c[1].shape[2] for c in chunks] == [48, 88, 88, 88, 44]
         queries = torch.cat([c[0] for c in chunks], 2)  # every prompt query, in order
-        seen = 0
+        seen, carried = 0, None
         for j, (q, k, _) in enumerate(chunks):
             seen += q.shape[2]
             window = queries[:, :, seen - W:seen]  # the last one spans two chunks
-            kept = BUDGET if j == len(chunks) - 1 else BOUND
-            exp_k = ref.snapkv(window, k, k, kept, **OPTS)[0]
-            got = (hf.cache_kv(cache, i)[0] if j == len(chunks) - 1
-                   else chunks[j + 1][1][:, :, :kept])  # what the next chunk attended over
+            if j == len(chunks) - 1:
+                exp_k = ref.snapkv(window, k, k, BUDGET, **OPTS)[0]
+                got = hf.cache_kv(cache, i)[0]
+            else:
+                idx, carried = (_expected_max(q, k, carried) if signal == "max" else
+                                (ref.snapkv(window, k, k, BOUND, **OPTS)[2].long(), None))
+                exp_k = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))
+                got = chunks[j + 1][1][:, :, :BOUND]  # what the next chunk attended over
             torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)
 
 

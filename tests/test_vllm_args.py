@@ -218,6 +218,15 @@ def test_the_prefill_bound_reaches_the_engine_and_the_server():
         kp.vllm.engine_args("streaming", 0.16, prefill_max_held=4096)
     with pytest.raises(ValueError, match="prefill_max_held must be an int >= 1"):
         kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=0)
+    window = kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=4096, prefill_signal="window")
+    assert config.prefill_from_vllm_config(
+        type("Cfg", (), {"additional_config": window["additional_config"]})).signal == "window"
+    assert vllm_argv(["m", "--kv-prefill-max-held", "64", "--kv-prefill-signal", "window"])[2:] \
+        == kp.vllm.server_args("snapkv", prefill_max_held=64, prefill_signal="window")
+    with pytest.raises(ValueError, match="prefill_signal must be one of"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=64, prefill_signal="sum")
+    with pytest.raises(ValueError, match="prefill_signal: given without prefill_max_held"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_signal="max")
 
 
 def test_a_bounded_prefill_compresses_each_earlier_chunk_over_the_bound():

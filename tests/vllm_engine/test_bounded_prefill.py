@@ -33,13 +33,14 @@ def long_prompts():
     return [torch.randint(0, 512, (PROMPT,), generator=g).tolist() for _ in range(2)]
 
 
-def bounded_args(**rule):
-    return kp.vllm.engine_args("snapkv", BUDGET, prefill_max_held=BOUND, **rule)
+def bounded_args(signal=None, **rule):
+    return kp.vllm.engine_args("snapkv", BUDGET, prefill_max_held=BOUND, prefill_signal=signal,
+                               **rule)
 
 
-def hf_bounded(hf_model, prompt):
+def hf_bounded(hf_model, prompt, signal=None):
     with kp.hf.compress(hf_model, "snapkv", BUDGET, prefill_max_held=BOUND, prefill_chunk=CHUNK,
-                        **RULE) as comp:
+                        prefill_signal=signal, **RULE) as comp:
         gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False)
     assert comp.peak_held == BOUND + CHUNK
     return gen[0, len(prompt):].tolist()
@@ -84,9 +85,11 @@ def run_steps(llm, requests, abort_after=None, later=None, hits=None):
     return tokens, blocks, scheduler
 
 
-def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model, long_prompts):
+@pytest.mark.parametrize("signal", ["max", "window"])
+def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model, long_prompts,
+                                                             signal):
     llm = make_llm(model_dir, num_gpu_blocks_override=POOL, max_num_batched_tokens=CHUNK,
-                   **bounded_args(**RULE))
+                   **bounded_args(signal, **RULE))
     tokens, blocks, scheduler = run_steps(llm, {"long": long_prompts[0]})
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.num_gpu_blocks == POOL and PROMPT > 4 * (POOL - 1) * BLOCK
@@ -96,8 +99,8 @@ def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model
     gc.collect()
     peak = max(b.get("long", 0) for b in blocks)
     assert peak == PEAK_BLOCKS
-    assert stats["evicted"] == {} and stats["recorded_windows"] == 0
-    assert tokens["long"] == hf_bounded(hf_model, long_prompts[0])
+    assert stats["evicted"] == {} and stats["recorded_windows"] == stats["bound_scores"] == 0
+    assert tokens["long"] == hf_bounded(hf_model, long_prompts[0], signal)
 
 
 def test_aborted_mid_prefill_loses_no_block_and_spares_the_other(model_dir, hf_model,

@@ -54,8 +54,8 @@ class KVCompressor:
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
     reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
-    ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`): the bounded-peak
-    prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
+    ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`), ``prefill_signal``:
+    the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
@@ -70,7 +70,7 @@ class KVCompressor:
                  observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
                  max_held: Optional[int] = None, interval: Optional[int] = None,
                  prefill_max_held: Optional[int] = None, prefill_chunk: Optional[int] = None,
-                 **option_fields) -> None:
+                 prefill_signal: Optional[str] = None, **option_fields) -> None:
         if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
             options = dataclasses.replace(options or policies.Options(), **option_fields)
         self.policy = policies.make(policy, options, budget=budget)
@@ -82,7 +82,8 @@ class KVCompressor:
         if self.policy.evidence == "reconstruction" and compress_on_prefill:
             raise ValueError(f"policy: {self.policy.name!r} scores by reconstructing the "
                              "context after its prefill; use kp.hf.compress_context")
-        self.prefill_bound = policies.make_prefill_bound(prefill_max_held, self.policy)
+        self.prefill_bound = policies.make_prefill_bound(prefill_max_held, self.policy,
+                                                         prefill_signal)
         if self.prefill_bound is None and prefill_chunk is not None:
             raise ValueError("prefill_chunk: given without prefill_max_held")
         self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
@@ -236,21 +237,32 @@ class KVCompressor:
             self._prompt_end = None
         return out
 
-    def _bounded_chunk(self, st: LayerState, cache, i: int, q_len: int) -> None:
-        """After a bounded prefill's chunk of ``q_len`` tokens in layer ``i``: the prompt's
+    def _bounded_chunk(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
+        """After a bounded prefill's chunk ``hs`` [B, q, hidden] in layer ``i``: the prompt's
         compression after its last chunk, else the bound's (the recorded window queries stay,
-        for the next chunk's to join)."""
-        end = self.seen + q_len
+        for the next chunk's to join); with the "max" signal every chunk's queries first
+        raise the held keys' running maxima (``st.bound``)."""
+        end = self.seen + hs.shape[1]
         if end == self._prompt_end:
             kept = self.policy.kept_tokens(end)
             self.compressed_len = select.compress_layer(st, cache, i, self.policy, kept, None)
             self.prompt_len = end
             return
-        kept = self.prefill_bound.compresses(cache_kv(cache, i)[0].shape[2], False)
-        if kept is not None:
+        bound = self.prefill_bound
+        k, v = cache_kv(cache, i)
+        if bound.signal == "max":
+            cos, sin = kwargs["position_embeddings"]
+            qn = scoring.post_rope_queries(module, hs, cos, sin).to(k.dtype)
+            st.bound = bound.carry(st.bound, bound.scores(qn, k, getattr(module, "scaling", None)))
+        kept = bound.compresses(k.shape[2], False)
+        if kept is None:
+            return
+        if bound.signal == "window":
             queries = st.queries
             select.compress_layer(st, cache, i, self.policy, kept, None)
             st.queries = queries
+            return
+        select.keep_positions(st, cache, i, bound.select(st.bound, kept))
 
     def _base_pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -378,7 +390,7 @@ class KVCompressor:
                                            sin[:, q_len - n_q:]).to(k.dtype)
             self._record(st, qn, k)
         if bounded:
-            self._bounded_chunk(st, cache, i, q_len)
+            self._bounded_chunk(module, st, cache, i, hs, kwargs)
         elif self.compress_on_prefill and self.seen == 0 and k.shape[2] == q_len:  # a prefill
             n, held = k.shape[2], k.shape[2]
             if not isinstance(self.policy, policies.Full):  # full: plain attention, no masks
@@ -461,7 +473,8 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              pool_shift: Optional[int] = None,
              decode: Optional[str] = None, max_held: Optional[int] = None,
              interval: Optional[int] = None, prefill_max_held: Optional[int] = None,
-             prefill_chunk: Optional[int] = None) -> Iterator[KVCompressor]:
+             prefill_chunk: Optional[int] = None,
+             prefill_signal: Optional[str] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
@@ -471,15 +484,16 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     (:class:`kvprune_cuda.policy.DecodeRule`). With ``prefill_max_held``, a prompt longer
     than ``prefill_chunk`` tokens (default 2048) is prefilled in chunks and compressed back to
     ``prefill_max_held`` tokens after every chunk that leaves more, so a layer never holds
-    more than ``prefill_max_held + prefill_chunk`` tokens (:class:`kvprune_cuda.policy.
-    PrefillBound`; rows without padding; the split forward returns the last chunk's hidden
-    states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
+    more than ``prefill_max_held + prefill_chunk`` tokens, the held tokens ranked by
+    ``prefill_signal`` ("max", the default: each key's largest attention from any prompt query
+    so far; "window": the policy's own selection) (:class:`kvprune_cuda.policy.PrefillBound`;
+    rows without padding; the split forward returns the last chunk's hidden states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
     ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
                         interval=interval, prefill_max_held=prefill_max_held,
-                        prefill_chunk=prefill_chunk).attach()
+                        prefill_chunk=prefill_chunk, prefill_signal=prefill_signal).attach()
     try:
         yield comp
     finally:

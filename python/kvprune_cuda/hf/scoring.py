@@ -33,20 +33,22 @@ class LayerState:
     kvzip: Optional[torch.Tensor] = None         # fp32 [B, Hkv, n] reconstruction maxima
     slot_valid: Optional[torch.Tensor] = None    # bool [B, Hkv, L] once compressed (masked, ragged)
     layout: str = FULL
+    bound: Optional[torch.Tensor] = None         # fp32 [B, Hkv, L] a bounded prefill's maxima
 
     @property
     def compressed(self) -> bool:
         return self.layout != FULL
 
     def nbytes(self) -> int:
-        return tensor_bytes((self.queries, self.h2o, self.kvzip, self.slot_valid))
+        return tensor_bytes((self.queries, self.h2o, self.kvzip, self.slot_valid, self.bound))
 
     def drop_evidence(self) -> None:
-        self.queries = self.h2o = self.kvzip = None
+        self.queries = self.h2o = self.kvzip = self.bound = None
 
     def copy(self) -> "LayerState":
         """A copy sharing the tensors (they are replaced, never written in place)."""
-        return LayerState(self.queries, self.h2o, self.kvzip, self.slot_valid, self.layout)
+        return LayerState(self.queries, self.h2o, self.kvzip, self.slot_valid, self.layout,
+                          self.bound)
 
 
 def post_rope_queries(module, hs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,18 @@ def compress_layer(st: LayerState, cache, i: int, policy: "policies.Policy", kep
     return min(kept, n)
 
 
+def keep_positions(st: LayerState, cache, i: int, idx: torch.Tensor) -> None:
+    """Layer ``i`` of ``cache`` (dense, rows without padding) keeps the positions ``idx``
+    (int32 [B, Hkv, k], ascending, every one valid); a bounded prefill's running maxima
+    (``st.bound``) follow them."""
+    k, v = cache_kv(cache, i)
+    kk, vv = kp.gather_kv(k, v, idx)
+    set_cache_kv(cache, i, kk, vv)
+    if st.bound is not None:
+        st.bound = st.bound.gather(2, idx.long())
+    st.slot_valid, st.layout = idx >= 0, MASKED
+
+
 def compress_heads(st: LayerState, cache, i: int, policy: "policies.Policy",
                    counts: torch.Tensor, scores: torch.Tensor,
                    prefill_valid: Optional[torch.Tensor]) -> None:

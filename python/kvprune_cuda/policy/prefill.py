@@ -7,32 +7,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvprune_cuda._args import check_int
+import torch
+
+from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda._ops import pool_scores, select_keep, window_scores
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.full import Full
 
 # the evidence a chunk's compression can be given without the rest of the prompt: the keys,
 # and the last `window` queries seen so far (the current chunk's, and the chunks' before)
 BOUNDED_EVIDENCE = ("none", "window_queries")
+# what ranks the held tokens at a chunk's compression: "max", each key's largest attention
+# probability from any query of the prompt so far (a running maximum, KVzip-style maxima over
+# the prompt's own forward); "window", the policy's own selection by the last window queries
+SIGNALS = ("max", "window")
 
 
 @dataclass(frozen=True)
 class PrefillBound:
     """While a prompt prefills in chunks, after each chunk but the last, a request holding
-    more than :meth:`target` tokens is compressed to :meth:`target` by ``policy``'s selection
-    over the tokens it holds: the sinks (the first ``pinned`` tokens too, kept whole), the
-    last ``window`` tokens (the current chunk's end) and the best-scored others (snapkv: voted
-    for by the last ``window`` queries of the prompt so far, pooled over neighbours in the
-    held order). The chunk that ends the prompt is compressed to the policy's budget of the
-    whole prompt as an unbounded prefill is (from the tokens still held; nothing when they
-    fit it). So a request never holds more than ``target + chunk`` tokens while it prefills.
-    Positions are never changed (kept keys keep their rotation)."""
+    more than :meth:`target` tokens is compressed to :meth:`target` over the tokens it holds:
+    the sinks (the first ``pinned`` tokens too, kept whole), the last ``window`` tokens (the
+    current chunk's end) and the best-ranked others by ``signal`` (:data:`SIGNALS`): "max"
+    (default), each held key's largest attention probability from any query of the prompt so
+    far (:meth:`scores` of every chunk's queries, :meth:`carry` over chunks), pooled with the
+    policy's pool (:meth:`select`); "window", ``policy``'s own selection (snapkv: voted for by
+    the last ``window`` queries of the prompt so far, pooled over neighbours in the held
+    order). The chunk that ends the prompt is compressed to the policy's budget of the whole
+    prompt as an unbounded prefill is (from the tokens still held; nothing when they fit it).
+    So a request never holds more than ``target + chunk`` tokens while it prefills. Positions
+    are never changed (kept keys keep their rotation)."""
 
     policy: Policy
     max_held: int
+    signal: str = "max"
 
     def __post_init__(self) -> None:
         check_int("prefill_max_held", self.max_held, 1)
+        check_str("prefill_signal", self.signal, SIGNALS)
         p = self.policy
         if isinstance(p, Full) or p.fixed_capacity or p.evidence not in BOUNDED_EVIDENCE:
             why = ("keeps every token" if isinstance(p, Full) else
@@ -59,7 +71,42 @@ class PrefillBound:
         """The most tokens a request holds while it prefills in chunks of at most ``chunk``."""
         return self.target(pinned) + chunk
 
+    def scores(self, queries: torch.Tensor, keys: torch.Tensor,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """fp32 [B, Hkv, n]: each of ``keys`` [B, Hkv, n, D]'s largest attention probability
+        from the chunk's post-RoPE ``queries`` [B, Hq, T, D] (the last T positions, causal),
+        the most over a KV head's query heads."""
+        return window_scores(queries, keys, scale=scale, gqa="max", qreduce="max")
 
-def make_prefill_bound(max_held: Optional[int], policy: Policy) -> Optional[PrefillBound]:
-    """The :class:`PrefillBound` of ``policy`` at ``max_held`` tokens (None: unbounded)."""
-    return None if max_held is None else PrefillBound(policy, max_held)
+    @staticmethod
+    def carry(held: Optional[torch.Tensor], fresh: torch.Tensor) -> torch.Tensor:
+        """The running maximum: ``fresh`` (fp32 [B, Hkv, n], this chunk's :meth:`scores`) with
+        its first M positions raised to ``held`` (fp32 [B, Hkv, M], the scores carried for
+        the keys held before the chunk; None: none)."""
+        if held is not None:
+            m = held.shape[-1]
+            fresh[..., :m] = torch.maximum(fresh[..., :m], held)
+        return fresh
+
+    def select(self, scores: torch.Tensor, kept: int, pinned: int = 0) -> torch.Tensor:
+        """int32 [B, Hkv, kept] ascending positions to keep by the carried ``scores`` (fp32
+        [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window`` and the top
+        pooled scores (the policy's pool, if it has one)."""
+        p = self.policy
+        kernel = getattr(p, "kernel_size", 1)
+        if kernel > 1:
+            scores = pool_scores(scores.contiguous(), kernel, getattr(p, "pool", "max"),
+                                 window=p.window, shift=getattr(p, "shift", 0))
+        return select_keep(scores.contiguous(), kept, n_sink=max(p.n_sink, pinned),
+                           window=p.window)
+
+
+def make_prefill_bound(max_held: Optional[int], policy: Policy,
+                       signal: Optional[str] = None) -> Optional[PrefillBound]:
+    """The :class:`PrefillBound` of ``policy`` at ``max_held`` tokens ranking by ``signal``
+    (None: "max"); None: unbounded."""
+    if max_held is None:
+        if signal is not None:
+            raise ValueError("prefill_signal: given without prefill_max_held")
+        return None
+    return PrefillBound(policy, max_held, "max" if signal is None else signal)

@@ -68,7 +68,8 @@ def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRu
         rule = {k: v for k, v in decode.policy.to_config().items() if k not in ("policy", "budget")}
         rule.update(decode=decode.policy.name, max_held=decode.max_held, interval=decode.interval)
     return {**policy.to_config(), "class": class_path(policy), "decode": rule,
-            "prefill_max_held": None if prefill is None else prefill.max_held}
+            "prefill_max_held": None if prefill is None else prefill.max_held,
+            "prefill_signal": None if prefill is None else prefill.signal}
 
 
 def _config(vllm_config) -> dict:
@@ -85,6 +86,7 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
     config = _config(vllm_config)
     config.pop("decode", None)
     config.pop("prefill_max_held", None)
+    config.pop("prefill_signal", None)
     if "class" in config:
         policy_class(config.pop("class"))
     return engine_policy(**{"policy": None, **config})
@@ -98,8 +100,9 @@ def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
 
 def prefill_from_vllm_config(vllm_config) -> Optional["policies.PrefillBound"]:
     """The bounded prefill in the engine's configuration (None: unbounded)."""
-    return policies.make_prefill_bound(_config(vllm_config).get("prefill_max_held"),
-                                       from_vllm_config(vllm_config))
+    config = _config(vllm_config)
+    return policies.make_prefill_bound(config.get("prefill_max_held"),
+                                       from_vllm_config(vllm_config), config.get("prefill_signal"))
 
 
 def is_configured(vllm_config) -> bool:

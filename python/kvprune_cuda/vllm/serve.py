@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-prefill-max-held", type=int, default=None,
                    help="bounded prefill: compress a prompt back to this many tokens after "
                         "every chunk that leaves more (prompts longer than the KV pool)")
+    p.add_argument("--kv-prefill-signal", default=None,
+                   help="what ranks a bounded prefill's held tokens: max (default) | window")
     return p
 
 
@@ -70,7 +72,8 @@ def vllm_argv(argv: Sequence[str]) -> list:
                         pool_shift=ours.kv_pool_shift, pool=ours.kv_pool, gqa=ours.kv_gqa,
                         decode=ours.kv_decode,
                         max_held=ours.kv_max_held, interval=ours.kv_interval,
-                        prefill_max_held=ours.kv_prefill_max_held)
+                        prefill_max_held=ours.kv_prefill_max_held,
+                        prefill_signal=ours.kv_prefill_signal)
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag}: set by kvprune_cuda.vllm.serve; leave it out")

@@ -74,8 +74,8 @@ class _Row:
 class RunnerHooks:
     """The three hooks of the module doc on one vLLM (CPU) model runner."""
 
-    def __init__(self, runner, policy, decode=None) -> None:
-        self.runner, self.policy, self.decode = runner, policy, decode
+    def __init__(self, runner, policy, decode=None, prefill=None) -> None:
+        self.runner, self.policy, self.decode, self.prefill = runner, policy, decode, prefill
         self.block_size = runner.cache_config.block_size
         # an fp8 cache (allocated as uint8) is read and compacted as its fp8 dtype
         self.fp8 = FP8_CACHE_DTYPES.get(runner.cache_config.cache_dtype)
@@ -87,6 +87,10 @@ class RunnerHooks:
         # h2o rule, the held keys' attention sums (fp32 [1, Hkv, held])
         self.decode_evidence: dict[str, list] = {}
         self.decoding: list[_Row] = []     # rows whose decode queries the rule observes
+        # req_id -> per layer: a bounded prefill's running maxima (fp32 [1, Hkv, held]), while
+        # the prefill of a request the bound compresses runs ("max" signal)
+        self.bound_scores: dict[str, list] = {}
+        self.bounding: list[_Row] = []     # rows of those prefills whose maxima this step raises
         self.compactions = 0               # (layer, request) compactions done
         self.step_plan: StepPlan = None    # the plan of the step now running
         self.compacted: Counter = Counter()  # req_id -> layers compacted in this step
@@ -130,7 +134,8 @@ class RunnerHooks:
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
         compress = self.step_plan.rows
-        self.plan, self.recording, self.decoding = [], [], []
+        self.plan, self.recording, self.decoding, self.bounding = [], [], [], []
+        maxima = self.prefill is not None and self.prefill.signal == "max"
         observes = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             prompt_len = int(batch.num_prompt_tokens[row])
@@ -148,6 +153,10 @@ class RunnerHooks:
                                       computed + scheduled))
             elif rules.records(self.policy, computed, scheduled, prompt_len, generated):
                 self.recording.append(_Row(req_id, row, prompt_len))
+            end = rules.prefill_end(prompt_len, generated)
+            if maxima and prompt_len > self.prefill.target() and computed + scheduled < end:
+                held = computed + scheduled - self.evicted.get(req_id, 0)
+                self.bounding.append(_Row(req_id, row, prompt_len, tokens=held))
             if decoding and observes:
                 held = computed + scheduled - self.evicted.get(req_id, 0)
                 self.decoding.append(_Row(req_id, row, prompt_len, tokens=held,
@@ -170,7 +179,7 @@ class RunnerHooks:
     def _after_attention(self, module, query: torch.Tensor, meta) -> None:
         """The work of hook 2 for one layer; ``query`` [T, Hq, D] is the step's, post-RoPE,
         and ``meta`` the layer's CPU attention metadata."""
-        if not self.plan and not self.recording and not self.decoding:
+        if not self.plan and not self.recording and not self.decoding and not self.bounding:
             return
         if getattr(module, "isa", "vec") not in STRIDED_ISAS:
             raise RuntimeError(f"kvprune_cuda.vllm: layer {module.layer_name} caches with ISA "
@@ -186,6 +195,11 @@ class RunnerHooks:
         cache = module.kv_cache if self.fp8 is None else module.kv_cache.view(self.fp8)
         keys_of = lambda row, row_blocks: request_keys(  # noqa: E731
             cache, row_blocks, row.tokens, query.dtype, module._k_scale_float)
+        for row in self.bounding:  # [T, Hq, D] -> [1, Hq, T, D]
+            per_layer = self.bound_scores.setdefault(row.req_id, [None] * len(self.layers))
+            fresh = self.prefill.scores(rows(row).transpose(0, 1).unsqueeze(0).contiguous(),
+                                        keys_of(row, blocks(row)), module.impl.scale)
+            per_layer[layer] = self.prefill.carry(per_layer[layer], fresh)
         for row in self.decoding:
             new_queries = rows(row)[-row.past_prompt:]  # [past_prompt, Hq, D]
             if self.decode.accumulates:
@@ -203,7 +217,11 @@ class RunnerHooks:
                 policy, queries = self.policy, self._window(row, layer, rows(row))
             row_blocks = blocks(row)
             policy = rules.with_pinned(policy, row.kept, row.pinned)
-            if row.kind == "decode" and self.decode.accumulates:  # h2o: by the sums
+            maxima = self.bound_scores.get(row.req_id)
+            if row.kind == "chunk" and maxima is not None:  # by the running maxima, no key read
+                idx = self.prefill.select(maxima[layer], row.kept, row.pinned)
+                maxima[layer] = maxima[layer].gather(2, idx.long())
+            elif row.kind == "decode" and self.decode.accumulates:  # h2o: by the sums
                 evidence = self.decode_evidence[row.req_id]
                 idx = kp.select_keep(evidence[layer], row.kept, n_sink=policy.n_sink,
                                      window=policy.window)
@@ -212,10 +230,10 @@ class RunnerHooks:
                 keys = keys_of(row, row_blocks)
                 idx = kept_indices(policy, queries.transpose(0, 1).unsqueeze(0), keys, row.kept,
                                    scale=module.impl.scale)  # queries [M, Hq, D] -> [1, Hq, M, D]
-                sums = (self.decode_evidence.get(row.req_id)
-                        if self.decode is not None and self.decode.accumulates else None)
-                if sums is not None and sums[layer] is not None:  # a replay's h2o sums follow
-                    sums[layer] = sums[layer].gather(2, idx.long())
+            sums = (self.decode_evidence.get(row.req_id) if row.kind != "decode"
+                    and self.decode is not None and self.decode.accumulates else None)
+            if sums is not None and sums[layer] is not None:  # a replay's h2o sums follow
+                sums[layer] = sums[layer].gather(2, idx.long())
             first = row.pinned // self.block_size  # idx[..., :pinned] is 0..pinned-1: in place
             compact_request(cache, row_blocks[None, first:], row.tokens - row.pinned,
                             (idx[:, :, row.pinned:] - row.pinned).contiguous())
@@ -257,6 +275,7 @@ class RunnerHooks:
             self.evicted.pop(req_id, None)
             self.window_queries.pop(req_id, None)
             self.decode_evidence.pop(req_id, None)
+            self.bound_scores.pop(req_id, None)
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
         self.step_plan = plan_of(scheduler_output)
@@ -266,11 +285,14 @@ class RunnerHooks:
             result = execute(scheduler_output, *args, **kwargs)
         finally:
             plan, self.plan, self.decoding = self.plan, [], []
+            bounding, self.bounding = {row.req_id for row in self.bounding}, []
             recorded, self.recording = {row.req_id for row in self.recording}, []
             recorded |= {row.req_id for row in plan if row.kind == "chunk"}  # more to come
             for req_id in scheduler_output.num_scheduled_tokens:  # prompt done: window unused
                 if req_id not in recorded:
                     self.window_queries.pop(req_id, None)
+                if req_id not in bounding:  # prefill done: maxima unused
+                    self.bound_scores.pop(req_id, None)
         self._check_carried_out(plan)
         self._truncate(plan)
         return result
@@ -321,7 +343,7 @@ class CPUWorker(_VllmCPUWorker):
         check_kv_cache_groups(kv_cache_config)
         super().initialize_from_config(kv_cache_config)
         self.kvprune = RunnerHooks(self.model_runner, config.from_vllm_config(self.vllm_config),
-                                   decode)
+                                   decode, config.prefill_from_vllm_config(self.vllm_config))
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         try:
@@ -341,9 +363,11 @@ class CPUWorker(_VllmCPUWorker):
 
     def kvprune_stats(self) -> dict:
         """Compactions done, requests held compressed, requests whose observation-window
-        queries are recorded while they prefill, and requests with decode-rule evidence
-        (snapkv: recent decode queries; h2o: attention sums) (``llm.collective_rpc``)."""
+        queries are recorded while they prefill, requests with decode-rule evidence
+        (snapkv: recent decode queries; h2o: attention sums) and requests with a bounded
+        prefill's running maxima (``llm.collective_rpc``)."""
         return {"compactions": self.kvprune.compactions,
                 "evicted": dict(self.kvprune.evicted),
                 "recorded_windows": len(self.kvprune.window_queries),
-                "decode_evidence": len(self.kvprune.decode_evidence)}
+                "decode_evidence": len(self.kvprune.decode_evidence),
+                "bound_scores": len(self.kvprune.bound_scores)}
