@@ -29,6 +29,9 @@ as ``ruler_tasks.prompt_ids`` does):
   ``N = --prefill-held`` x the budget's tokens after each chunk that leaves more, and to the
   budget after the last; then that token starts the answer, as for snapkv-aware-default (the
   same tokens, the same budget; with N >= the prompt the two are identical). Its own prefill.
+  The held tokens are ranked by the library's default signal ("max": each key's largest
+  attention from any prompt query so far); snapkv-aware-bounded-window by the policy's own
+  selection by the last window queries (``prefill_signal="window"``).
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
   cosine distance from its head's mean key): as kvpress's own pipeline
@@ -110,6 +113,7 @@ SETTINGS = {
     "kvzip-global": ("agnostic", "kvzip", "global"),
     "kvzip-layer": ("agnostic", "kvzip", "layer"),
     "snapkv-aware-bounded": ("bounded", "snapkv", None),
+    "snapkv-aware-bounded-window": ("bounded", "snapkv", None),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
     "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
@@ -361,7 +365,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     for s, f in cfgs:
         if SETTINGS[s][0] == "bounded":
             out[config_name(s, f)] = _bounded(model, tok, prompt, refs, _setting_policy(s, args),
-                                              f, args, max_new)
+                                              f, args, max_new, s.endswith("-window"))
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
             aware_press = _press_mode(s) == "aware"
             c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
@@ -377,7 +381,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
 
 
-def _bounded(model, tok, prompt, refs, policy, frac, args, max_new) -> dict:
+def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, window: bool) -> dict:
     """The bounded-peak prefill of ``prompt`` but its last token (module doc), then that token
     starts the answer; its record has the bound, the chunk, the peak held and the prefill's
     seconds (compression included) besides the usual."""
@@ -386,8 +390,9 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new) -> dict:
     ids = prompt[:, :-1]
     budget = kp.hf.resolve_budget(frac, ids.shape[1])
     bound = int(args.prefill_held * budget)
+    signal = "window" if window else "max"
     comp = kp.hf.KVCompressor(model, policy, frac, prefill_max_held=bound,
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, prefill_signal=signal)
     cache = DynamicCache()
     comp.attach()
     try:
@@ -403,6 +408,7 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new) -> dict:
             "kv_bytes": c.nbytes, "kv_at": "after the prompt",
             "tokens_per_layer": list(c.tokens_per_layer), "budget_tokens": budget,
             "prefill_max_held": bound, "prefill_chunk": args.prefill_chunk,
+            "prefill_signal": signal,
             "peak_held": comp.peak_held, "new": g[0, 1:].tolist()}
 
 
