@@ -68,8 +68,8 @@ def test_preempted_during_its_prefill_is_compressed_when_its_prompt_completes(mo
     assert all(r == victim_id for r, _, _ in preempted)
     # preempted mid-prefill: part of its prompt computed, nothing generated yet
     assert any(0 < computed < VICTIM and out == 0 for _, computed, out in preempted), preempted
-    # one compression, when its prompt completed: (kept, pinned, held) by hand
-    assert [c for r, c in plans if r == victim_id] == [(192, 0, VICTIM)]
+    # one compression, when its prompt completed: (kept, pinned, held, kind) by hand
+    assert [c for r, c in plans if r == victim_id] == [(192, 0, VICTIM, "prompt")]
     assert -(-VICTIM // BLOCK) == 30 and -(-192 // BLOCK) == 6
     with kp.hf.compress(hf_model, policy="snapkv", budget=BUDGET):
         gen = hf_model.generate(torch.tensor([victim]), max_new_tokens=GEN, do_sample=False)

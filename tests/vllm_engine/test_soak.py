@@ -131,7 +131,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
         return preempt(request, *args, **kwargs)
 
     core.scheduler._preempt_request = counting_preempt
-    plans: dict = {}  # id -> every (kept, pinned, held tokens) the scheduler decided for it
+    plans: dict = {}  # id -> every Compression (kept, pinned, held, kind) the scheduler decided
     schedule = core.scheduler.schedule
 
     def recording_schedule(*args, **kwargs):
@@ -173,7 +173,7 @@ def test_soak_aborts_preemption_and_faults_lose_no_block(model_dir, hf_model):
     for r in outputs:
         steps, n = plans.get(r, []), len(work[r][0])
         prompt_kept[r] = steps[0][0] if steps and steps[0][2] == n else None  # always first
-        p = max((p for _, p, _ in steps), default=0)
+        p = max((step.pinned for step in steps), default=0)
         if r not in preempted and (p or not steps and kp.vllm.kept_tokens(policy, n)):
             pinned[r] = p  # alone, with nothing to share, it would keep other tokens
     decode_compressed = sum(len(plans.get(r, [])) - (prompt_kept[r] is not None)
