@@ -205,9 +205,10 @@ def test_quick_context_question_split_and_budgets(quick_run):
             new = res["new_tokens"]
             tl = res["tokens_per_layer"]
             press = er.SETTINGS[setting][1] if er.SETTINGS[setting][2] == "aware" else None
-            if kind in ("full", "aware") or press in ("SnapKVPress", "ObservedAttentionPress",
-                                                      "CriticalKVPress"):
-                # the prompt but its last token, compressed once (kvpress-snapkv-aware: likewise)
+            if kind in ("full", "aware", "bounded") or press in (
+                    "SnapKVPress", "ObservedAttentionPress", "CriticalKVPress"):
+                # the prompt but its last token, compressed once (kvpress-snapkv-aware: likewise;
+                # bounded: one chunk at --quick's length, compressed to the budget at its end)
                 kb = n_all - 1 if kind == "full" else kp.hf.resolve_budget(frac, n_all - 1)
                 assert res["budget_tokens"] == kb and held_ok(res, name, kb), name
                 assert tl == [kb] * len(tl), name
