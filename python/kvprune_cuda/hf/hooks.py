@@ -254,7 +254,7 @@ class KVCompressor:
             cos, sin = kwargs["position_embeddings"]
             qn = scoring.post_rope_queries(module, hs, cos, sin).to(k.dtype)
             st.bound = bound.carry(st.bound, bound.scores(qn, k, getattr(module, "scaling", None)))
-        kept = bound.compresses(k.shape[2], False)
+        kept = bound.compresses(k.shape[2])
         if kept is None:
             return
         if bound.signal == "window":

@@ -58,12 +58,9 @@ class PrefillBound:
         kept whole."""
         return max(self.max_held, max(self.policy.n_sink, pinned) + self.policy.window)
 
-    def compresses(self, held: int, prompt_done: bool, pinned: int = 0) -> Optional[int]:
-        """Tokens to keep after a chunk that leaves the request holding ``held`` tokens
-        (``prompt_done``: the chunk ended the prompt, whose own compression then applies);
-        None: no compression."""
-        if prompt_done:
-            return None
+    def compresses(self, held: int, pinned: int = 0) -> Optional[int]:
+        """Tokens to keep after an earlier chunk (not the prompt's last, whose own compression
+        applies) that leaves the request holding ``held`` tokens; None: no compression."""
         target = self.target(pinned)
         return target if held > target else None
 

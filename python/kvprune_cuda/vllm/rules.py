@@ -73,7 +73,7 @@ def prefill_compresses(bound: Optional["policies.PrefillBound"], num_computed: i
     it (:meth:`~kvprune_cuda.policy.PrefillBound.compresses`); None: no compression."""
     if bound is None or num_computed + num_scheduled >= prefill_end(prompt_len, num_output):
         return None
-    return bound.compresses(held, False, pinned)
+    return bound.compresses(held, pinned)
 
 
 def bounded_peak(bound: "policies.PrefillBound", rule: Optional["policies.DecodeRule"],
