@@ -30,8 +30,10 @@ as ``ruler_tasks.prompt_ids`` does):
   budget after the last; then that token starts the answer, as for snapkv-aware-default (the
   same tokens, the same budget; with N >= the prompt the two are identical). Its own prefill.
   The held tokens are ranked by the library's default signal ("max": each key's largest
-  attention from any prompt query so far); snapkv-aware-bounded-window by the policy's own
-  selection by the last window queries (``prefill_signal="window"``).
+  attention from any prompt query so far); snapkv-aware-bounded-far by the same maxima from
+  the queries at least ``window`` positions after the key only (``prefill_signal="far"``);
+  snapkv-aware-bounded-window by the policy's own selection by the last window queries
+  (``prefill_signal="window"``).
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
   cosine distance from its head's mean key): as kvpress's own pipeline
@@ -113,6 +115,7 @@ SETTINGS = {
     "kvzip-global": ("agnostic", "kvzip", "global"),
     "kvzip-layer": ("agnostic", "kvzip", "layer"),
     "snapkv-aware-bounded": ("bounded", "snapkv", None),
+    "snapkv-aware-bounded-far": ("bounded", "snapkv", None),
     "snapkv-aware-bounded-window": ("bounded", "snapkv", None),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
@@ -365,7 +368,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     for s, f in cfgs:
         if SETTINGS[s][0] == "bounded":
             out[config_name(s, f)] = _bounded(model, tok, prompt, refs, _setting_policy(s, args),
-                                              f, args, max_new, s.endswith("-window"))
+                                              f, args, max_new, _bounded_signal(s))
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
             aware_press = _press_mode(s) == "aware"
             c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
@@ -381,7 +384,13 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
 
 
-def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, window: bool) -> dict:
+def _bounded_signal(setting: str) -> str:
+    """The ``prefill_signal`` of a bounded setting: its name's last word, else "max"."""
+    last = setting.rsplit("-", 1)[1]
+    return last if last in kp.policy.prefill.SIGNALS else "max"
+
+
+def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str) -> dict:
     """The bounded-peak prefill of ``prompt`` but its last token (module doc), then that token
     starts the answer; its record has the bound, the chunk, the peak held and the prefill's
     seconds (compression included) besides the usual."""
@@ -390,7 +399,6 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, window: bool
     ids = prompt[:, :-1]
     budget = kp.hf.resolve_budget(frac, ids.shape[1])
     bound = int(args.prefill_held * budget)
-    signal = "window" if window else "max"
     comp = kp.hf.KVCompressor(model, policy, frac, prefill_max_held=bound,
                               prefill_chunk=args.prefill_chunk, prefill_signal=signal)
     cache = DynamicCache()

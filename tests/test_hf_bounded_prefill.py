@@ -18,15 +18,18 @@ from kvprune_cuda import hf  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
 
 from test_hf import N_LAYERS, _eager_capture, _gen, _ids, model  # noqa: E402,F401
+from test_policy import _max_probability_by_hand  # noqa: E402
 
 N, CHUNK, BOUND, BUDGET, W = 196, 48, 40, 24, 8  # the last chunk (4) is shorter than W
 OPTS = dict(n_sink=4, window=W, kernel_size=5, pool_shift=2)
 
 
-def _expected_max(q, k, carried):
-    """The "max" signal's kept positions of a chunk whose attention got queries ``q`` and
-    keys ``k``, by the reference, and the running maxima after it (``carried``: before)."""
-    fresh = ref.window_scores(q.double(), k.double(), gqa="max", qreduce="max").float()
+def _expected_max(q, k, carried, far=0):
+    """The "max" (``far`` 0) or "far" (``far`` = W) signal's kept positions of a chunk whose
+    attention got queries ``q`` and keys ``k``, by the reference, and the running maxima after
+    it (``carried``: before). "far": each query scores the keys ``far`` or more positions
+    before it (test_policy checks that rule by hand)."""
+    fresh = _max_probability_by_hand(q, k, far).float()
     if carried is not None:
         fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]], carried)
     pooled = ref.pool_scores(fresh, 5, "max", window=W, shift=2)
@@ -34,12 +37,13 @@ def _expected_max(q, k, carried):
     return idx, fresh.gather(2, idx)
 
 
-@pytest.mark.parametrize("signal", ["max", "window"])
+@pytest.mark.parametrize("signal", ["max", "far", "window"])
 def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chunk(
         model, gen, signal):
     """After each chunk, what the next chunk's attention received begins with the reference's
     selection of what this one's received: "max" by the running maximum over every prompt
-    query so far of each key's attention (ref.window_scores qreduce "max"), pooled; "window"
+    query so far of each key's attention (ref.window_scores qreduce "max"), pooled; "far" the
+    same from the queries W or more positions after the key; "window"
     by ref.snapkv voted for by the last W queries; the last chunk keeps ref.snapkv's budget."""
     ids = _ids(gen, 1, N)
     cache = transformers.DynamicCache()
@@ -63,8 +67,9 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
                 exp_k = ref.snapkv(window, k, k, BUDGET, **OPTS)[0]
                 got = hf.cache_kv(cache, i)[0]
             else:
-                idx, carried = (_expected_max(q, k, carried) if signal == "max" else
-                                (ref.snapkv(window, k, k, BOUND, **OPTS)[2].long(), None))
+                idx, carried = (ref.snapkv(window, k, k, BOUND, **OPTS)[2].long(), None) \
+                    if signal == "window" else \
+                    _expected_max(q, k, carried, far=W if signal == "far" else 0)
                 exp_k = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))
                 got = chunks[j + 1][1][:, :, :BOUND]  # what the next chunk attended over
             torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)

@@ -150,3 +150,42 @@ def test_evidence_mismatch_names_what_keeps_a_policy_from_ranking_a_recording():
     assert kp.policy.make("h2o", gqa="max").evidence_mismatch(h2o) == "gqa"
     assert kvzip.evidence_mismatch(h2o) == "evidence" and h2o.evidence_mismatch(snapkv) == "evidence"
     assert snapkv.evidence_mismatch(kp.policy.make("snapkv", kernel_size=7)) is None
+
+
+def _max_probability_by_hand(q, k, far):
+    """fp64 [B, Hkv, n]: each key's largest softmax probability over the query heads of its KV
+    head and the queries (the last T positions of n) at least ``far`` positions after it,
+    each query normalised over the keys at least ``far`` before it; 0 where none counts."""
+    b, hq, t, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    out = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for h in range(hq):
+        kh = k[:, h // (hq // hkv)].double()  # [B, n, D]
+        for i in range(t):
+            last = n - t + i - far  # the last key this query counts for
+            if last < 0:
+                continue
+            logits = (kh[:, :last + 1] @ q[:, h, i].double()[..., None])[..., 0] / d ** 0.5
+            g = h // (hq // hkv)
+            out[:, g, :last + 1] = torch.maximum(out[:, g, :last + 1], logits.softmax(-1))
+    return out
+
+
+def test_the_prefill_bounds_far_signal_counts_the_queries_window_or_more_after_a_key():
+    policy = kp.policy.make("snapkv", kp.policy.Options(n_sink=2, window=3, kernel_size=1))
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 6, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen)
+    far = kp.policy.make_prefill_bound(8, policy, "far")
+    near = kp.policy.make_prefill_bound(8, policy, "max")
+    assert (far.far, near.far, far.carries, near.carries) == (3, 0, True, True)
+    got_far, got_near = far.scores(q, k), near.scores(q, k)
+    torch.testing.assert_close(got_far.double(), _max_probability_by_hand(q, k, 3))
+    torch.testing.assert_close(got_near.double(), _max_probability_by_hand(q, k, 0))
+    assert not torch.allclose(got_far, got_near)
+    assert got_far[..., -3:].abs().sum() == 0  # no query is 3 after the last 3 keys
+    # a chunk shorter than the distance still counts for the held keys far enough before it;
+    # keys no more than the distance in all get nothing
+    torch.testing.assert_close(far.scores(q[:, :, :2], k).double(),
+                               _max_probability_by_hand(q[:, :, :2], k, 3))
+    assert far.scores(q[:, :, :2], k[:, :, :3]).abs().sum() == 0
+    assert not kp.policy.make_prefill_bound(8, policy, "window").carries

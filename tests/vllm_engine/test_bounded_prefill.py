@@ -85,7 +85,7 @@ def run_steps(llm, requests, abort_after=None, later=None, hits=None):
     return tokens, blocks, scheduler
 
 
-@pytest.mark.parametrize("signal", ["max", "window"])
+@pytest.mark.parametrize("signal", ["max", "far", "window"])
 def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model, long_prompts,
                                                              signal):
     llm = make_llm(model_dir, num_gpu_blocks_override=POOL, max_num_batched_tokens=CHUNK,
@@ -100,6 +100,8 @@ def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model
     peak = max(b.get("long", 0) for b in blocks)
     assert peak == PEAK_BLOCKS
     assert stats["evicted"] == {} and stats["recorded_windows"] == stats["bound_scores"] == 0
+    # the worker timed its own work (scoring, selecting, compacting) inside every forward
+    assert 0 < stats["seconds"]["kvprune"] < stats["seconds"]["forward"], stats["seconds"]
     assert tokens["long"] == hf_bounded(hf_model, long_prompts[0], signal)
 
 

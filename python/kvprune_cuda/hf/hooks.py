@@ -240,7 +240,7 @@ class KVCompressor:
     def _bounded_chunk(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
         """After a bounded prefill's chunk ``hs`` [B, q, hidden] in layer ``i``: the prompt's
         compression after its last chunk, else the bound's (the recorded window queries stay,
-        for the next chunk's to join); with the "max" signal every chunk's queries first
+        for the next chunk's to join); with a "max" or "far" signal every chunk's queries first
         raise the held keys' running maxima (``st.bound``)."""
         end = self.seen + hs.shape[1]
         if end == self._prompt_end:
@@ -250,7 +250,7 @@ class KVCompressor:
             return
         bound = self.prefill_bound
         k, v = cache_kv(cache, i)
-        if bound.signal == "max":
+        if bound.carries:
             cos, sin = kwargs["position_embeddings"]
             qn = scoring.post_rope_queries(module, hs, cos, sin).to(k.dtype)
             st.bound = bound.carry(st.bound, bound.scores(qn, k, getattr(module, "scaling", None)))
@@ -486,7 +486,8 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     ``prefill_max_held`` tokens after every chunk that leaves more, so a layer never holds
     more than ``prefill_max_held + prefill_chunk`` tokens, the held tokens ranked by
     ``prefill_signal`` ("max", the default: each key's largest attention from any prompt query
-    so far; "window": the policy's own selection) (:class:`kvprune_cuda.policy.PrefillBound`;
+    so far; "far": from the queries at least ``window`` positions after it; "window": the
+    policy's own selection) (:class:`kvprune_cuda.policy.PrefillBound`;
     rows without padding; the split forward returns the last chunk's hidden states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
     ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,

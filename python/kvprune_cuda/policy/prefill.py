@@ -19,8 +19,10 @@ from kvprune_cuda.policy.full import Full
 BOUNDED_EVIDENCE = ("none", "window_queries")
 # what ranks the held tokens at a chunk's compression: "max", each key's largest attention
 # probability from any query of the prompt so far (a running maximum, KVzip-style maxima over
-# the prompt's own forward); "window", the policy's own selection by the last window queries
-SIGNALS = ("max", "window")
+# the prompt's own forward); "far", the same from the queries at least `window` positions
+# after the key (a local head's look at its neighbours does not count); "window", the
+# policy's own selection by the last window queries
+SIGNALS = ("max", "far", "window")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class PrefillBound:
     current chunk's end) and the best-ranked others by ``signal`` (:data:`SIGNALS`): "max"
     (default), each held key's largest attention probability from any query of the prompt so
     far (:meth:`scores` of every chunk's queries, :meth:`carry` over chunks), pooled with the
-    policy's pool (:meth:`select`); "window", ``policy``'s own selection (snapkv: voted for by
+    policy's pool (:meth:`select`); "far", the same over the queries at least ``window``
+    positions after the key (:meth:`far`); "window", ``policy``'s own selection (snapkv: voted for by
     the last ``window`` queries of the prompt so far, pooled over neighbours in the held
     order). The chunk that ends the prompt is compressed to the policy's budget of the whole
     prompt as an unbounded prefill is (from the tokens still held; nothing when they fit it).
@@ -64,6 +67,19 @@ class PrefillBound:
         target = self.target(pinned)
         return target if held > target else None
 
+    @property
+    def carries(self) -> bool:
+        """Whether the signal is a running maximum over every chunk's queries (:meth:`scores`,
+        :meth:`carry`), not the policy's selection."""
+        return self.signal != "window"
+
+    @property
+    def far(self) -> int:
+        """The least distance from a key to a query that counts in :meth:`scores`: the
+        policy's ``window`` for "far" (the keys no query of the chunk is that far from are
+        its last ``window``, kept anyway, and scored by the next chunk's), 0 for "max"."""
+        return self.policy.window if self.signal == "far" else 0
+
     def peak(self, chunk: int, pinned: int = 0) -> int:
         """The most tokens a request holds while it prefills in chunks of at most ``chunk``."""
         return self.target(pinned) + chunk
@@ -72,8 +88,20 @@ class PrefillBound:
                scale: Optional[float] = None) -> torch.Tensor:
         """fp32 [B, Hkv, n]: each of ``keys`` [B, Hkv, n, D]'s largest attention probability
         from the chunk's post-RoPE ``queries`` [B, Hq, T, D] (the last T positions, causal),
-        the most over a KV head's query heads."""
-        return window_scores(queries, keys, scale=scale, gqa="max", qreduce="max")
+        the most over a KV head's query heads; with :attr:`far` = d > 0, from the queries d or
+        more positions after the key, each normalised over the keys it counts for (0 where no
+        query is that far: the last d keys)."""
+        d, n, t = self.far, keys.shape[2], queries.shape[2]
+        if n <= d:
+            return torch.zeros(keys.shape[0], keys.shape[1], n, dtype=torch.float32,
+                               device=keys.device)
+        # query i (at n - t + i) counts the keys up to n - t + i - d: the causal alignment of
+        # the last queries over the first n - d keys, less those that count none (the first
+        # t - (n - d), when the chunk is more than n - d long)
+        blind = max(0, t - (n - d))
+        fresh = window_scores(queries[:, :, blind:].contiguous(), keys[:, :, :n - d],
+                              scale=scale, gqa="max", qreduce="max")
+        return torch.nn.functional.pad(fresh, (0, d)) if d else fresh
 
     @staticmethod
     def carry(held: Optional[torch.Tensor], fresh: torch.Tensor) -> torch.Tensor:

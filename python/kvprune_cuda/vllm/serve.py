@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
                    help="bounded prefill: compress a prompt back to this many tokens after "
                         "every chunk that leaves more (prompts longer than the KV pool)")
     p.add_argument("--kv-prefill-signal", default=None,
-                   help="what ranks a bounded prefill's held tokens: max (default) | window")
+                   help="what ranks a bounded prefill's held tokens: max (default) | far | window")
     return p
 
 
