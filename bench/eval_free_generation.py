@@ -26,6 +26,7 @@ setting, averaged over the prompts:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -93,6 +94,22 @@ def table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+SAME_RUN = ("prompts", "tokens", "gen", "interval", "dtype", "model", "seed")
+
+
+def _resumed(args) -> list:
+    """The rows ``args.out`` holds from a run with the same :data:`SAME_RUN` arguments
+    (none if there is no such file); ValueError naming the first that differs."""
+    if not args.out.exists():
+        return []
+    old = json.loads(args.out.read_text())
+    for key in SAME_RUN:
+        if old["meta"].get(key) != getattr(args, key):
+            raise ValueError(f"--resume: {args.out} was run with {key}="
+                             f"{old['meta'].get(key)!r}, this run has {getattr(args, key)!r}")
+    return old["rows"]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,15 +125,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=common.RESULTS / "free_generation.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the settings --out already holds from a run of the same "
+                         "prompts, model and interval; run the others (the file is rewritten "
+                         "after every setting)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or common.threads())
     model, tok = common.load_model(args.dtype, args.model)
     prompts = make_prompts(tok, args.prompts, args.tokens, args.seed)
     settings = [("full", None, min(args.max_held))]
     settings += [(p, p, m) for p in args.policies for m in args.max_held]
-    rows = []
+    meta = {**common.run_meta(), **common.args_dict(args)}
+    rows = _resumed(args) if args.resume else []
     for name, decode, held in settings:
-        row = {"setting": name if decode is None else f"{decode} held {held}", "distinct": [],
+        label = name if decode is None else f"{decode} held {held}"
+        if any(r["setting"] == label for r in rows):
+            continue
+        row = {"setting": label, "distinct": [],
                "back": [], "ppl": [], "held": [], "seconds": [], "tokens": []}
         for i, prompt in enumerate(prompts):
             t0 = time.perf_counter()
@@ -134,7 +159,7 @@ def main(argv=None) -> dict:
             row["tokens"].append(got)
         rows.append(row)
         print(row["setting"], [round(x, 3) for x in row["distinct"]], flush=True)
-    meta = {**common.run_meta(), **common.args_dict(args)}
+        common.write_json(args.out, {"meta": meta, "rows": rows})
     print(table(rows, meta))
     common.write_json(args.out, {"meta": meta, "rows": rows})
     print(f"wrote {args.out}")
