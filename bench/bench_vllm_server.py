@@ -143,6 +143,29 @@ def block_trace(log_text: str) -> dict:
     return trace
 
 
+STEP_LINE = re.compile(r"kvprune_cuda: step \d+ compressed \d+ request\(s\): kvprune ([\d.]+) ms "
+                       r"of the step's ([\d.]+) ms forward")
+IDLE_SECONDS = re.compile(r"kvprune's own work took ([\d.]+) s of ([\d.]+) s of forwards")
+
+
+def compression_cost(log_text: str) -> dict:
+    """What kvprune's own work (scoring, selecting, compacting) cost the server's forwards,
+    from the worker's timing in the server log: per compressing step, its share of that
+    step's forward (p50, p99, and summed over those steps); over whole busy periods (every
+    step, the decode steps between compressions too), the idle lines' totals."""
+    steps = [(float(own), float(fwd)) for own, fwd in STEP_LINE.findall(log_text)]
+    busy = [(float(own), float(fwd)) for own, fwd in IDLE_SECONDS.findall(log_text)]
+    shares = [100 * own / fwd for own, fwd in steps if fwd > 0]
+    own_ms, fwd_ms = sum(s[0] for s in steps), sum(s[1] for s in steps)
+    own_s, fwd_s = sum(b[0] for b in busy), sum(b[1] for b in busy)
+    return {"compressing_steps": len(steps),
+            "step_share_p50_pct": percentile(shares, 50) if shares else None,
+            "step_share_p99_pct": percentile(shares, 99) if shares else None,
+            "compressing_steps_share_pct": 100 * own_ms / fwd_ms if fwd_ms else None,
+            "busy_kvprune_s": own_s, "busy_forward_s": fwd_s,
+            "busy_share_pct": 100 * own_s / fwd_s if fwd_s else None}
+
+
 def plot_trace(trace: dict, path: Path, title: str) -> None:
     """Blocks held per request against time (a step line through before / after each
     compression)."""
@@ -185,6 +208,14 @@ def table(rows, meta):
             f"{r['out_tok_per_s']:.2f} | {x('out_tok_per_s')} | {r['ttft_p50_s']:.1f} / "
             f"{r['ttft_p99_s']:.1f} | {r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f} | "
             f"{r.get('preemptions', '-')} | {r['hits']}/{r['n']} |")
+    for r in rows:
+        c = r.get("compression_cost")
+        if c and c["compressing_steps"] and c["busy_share_pct"] is not None:
+            lines.append(
+                f"\n{r['mode']} {r['setting']} {r['workload']}: kvprune's own work (worker "
+                f"timing) {c['busy_share_pct']:.2f} % of {c['busy_forward_s']:.1f} s of "
+                f"forwards; per compressing step ({c['compressing_steps']}) p50 "
+                f"{c['step_share_p50_pct']:.2f} %, p99 {c['step_share_p99_pct']:.2f} %")
     return "\n".join(lines)
 
 
@@ -267,10 +298,12 @@ def main() -> None:
                 # one warm-up request (compilation of new shapes is not measured)
                 workload(server, warmup, 4, [0.0])
                 for wl in args.workloads:
+                    seen = len(server.text())  # the log of this workload's requests only
                     result = workload(server, reqs, args.gen, arrivals[wl])
                     rows.append({"mode": mode, "setting": name, "workload": wl, **result})
                     if flags:
-                        rows[-1]["block_trace"] = block_trace(server.text())
+                        rows[-1]["block_trace"] = block_trace(server.text()[seen:])
+                        rows[-1]["compression_cost"] = compression_cost(server.text()[seen:])
                     print(json.dumps(rows[-1]), flush=True)
             finally:
                 server.stop()

@@ -34,3 +34,29 @@ def test_the_table_reads_runs_saved_before_the_queued_column():
             "prompt_tokens": 10, "gen": 4, "pool_requests": 1}
     row = bv.table([run], meta).splitlines()[-1]
     assert row.startswith("| dense | 3 | 1.8 | 2.0 | 1.00 | 1.00 |")
+
+
+def test_the_server_benchmark_reads_kvprune_s_own_timing_from_the_log():
+    """compression_cost on a hand-made server log: two compressing steps (2 of 100 ms, 30 of
+    300 ms) and two busy periods (0.05 of 2.0 s, 0.15 of 4.0 s), numbers by hand."""
+    import bench_vllm_server as bs
+    log = "\n".join([
+        "(EngineCore pid=1) INFO 12-07 16:25:45 [scheduler.py:213] kvprune_cuda: request a-1 "
+        "keeps 82 of 512 tokens, 13 blocks freed (13 in all)",
+        "(EngineCore pid=1) INFO 12-07 16:25:45 [scheduler.py:190] kvprune_cuda: step 7 "
+        "compressed 1 request(s): kvprune 2.0 ms of the step's 100.0 ms forward (2.00 %)",
+        "(EngineCore pid=1) INFO 12-07 16:25:46 [scheduler.py:230] kvprune_cuda: idle: 13 blocks "
+        "freed by compression in all; 10 of 10 blocks free in the pool; kvprune's own work "
+        "took 0.050 s of 2.000 s of forwards since the last idle (2.50 %)",
+        "(EngineCore pid=1) INFO 12-07 16:25:50 [scheduler.py:190] kvprune_cuda: step 9 "
+        "compressed 2 request(s): kvprune 30.0 ms of the step's 300.0 ms forward (10.00 %)",
+        "(EngineCore pid=1) INFO 12-07 16:25:52 [scheduler.py:230] kvprune_cuda: idle: 20 blocks "
+        "freed by compression in all; 10 of 10 blocks free in the pool; kvprune's own work "
+        "took 0.150 s of 4.000 s of forwards since the last idle (3.75 %)"])
+    cost = bs.compression_cost(log)
+    assert cost["compressing_steps"] == 2
+    assert cost["compressing_steps_share_pct"] == pytest.approx(100 * 32 / 400)
+    assert cost["busy_kvprune_s"] == pytest.approx(0.2)
+    assert cost["busy_share_pct"] == pytest.approx(100 * 0.2 / 6.0)
+    assert cost["step_share_p50_pct"] == pytest.approx(bv.percentile([2.0, 10.0], 50))
+    assert bs.block_trace(log) == {"a-1": [[0.0, 16, 3, 82, 512]]}

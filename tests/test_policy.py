@@ -188,4 +188,7 @@ def test_the_prefill_bounds_far_signal_counts_the_queries_window_or_more_after_a
     torch.testing.assert_close(far.scores(q[:, :, :2], k).double(),
                                _max_probability_by_hand(q[:, :, :2], k, 3))
     assert far.scores(q[:, :, :2], k[:, :, :3]).abs().sum() == 0
+    # a chunk longer than the keys 3 before its end: its first queries count for none
+    torch.testing.assert_close(far.scores(q, k[:, :, :8]).double(),
+                               _max_probability_by_hand(q, k[:, :, :8], 3))
     assert not kp.policy.make_prefill_bound(8, policy, "window").carries

@@ -182,5 +182,16 @@ def test_openai_server_default_mode_matches_kp_hf_and_frees_blocks(served_model,
     assert idle, log[-3000:]
     total, free, blocks = map(int, idle[-1])
     assert total >= sum(b for _, b in HAND.values()) and free == blocks
+    # the workers' timing: each compressing step's share of its forward; the totals of each
+    # busy period (logged when idle) hold every such step's (as rounded in the log)
+    steps = [tuple(map(float, m)) for m in re.findall(
+        r"step \d+ compressed \d+ request\(s\): kvprune ([\d.]+) ms of the step's ([\d.]+) "
+        r"ms forward \(([\d.]+) %\)", log)]
+    assert steps and all(0 < own < fwd and 0 < pct < 100 for own, fwd, pct in steps), steps
+    spent = [tuple(map(float, m)) for m in re.findall(
+        r"kvprune's own work took ([\d.]+) s of ([\d.]+) s of forwards", log)]
+    assert spent and all(own < fwd for own, fwd in spent), spent
+    assert sum(own for own, _ in spent) + 0.5e-3 * len(spent) >= \
+        sum(own for own, _, _ in steps) / 1e3 - 0.005e-3 * len(steps), (spent, steps)
     assert code == 0, log[-3000:]
     print("\n".join(line for line in log.splitlines() if "kvprune_cuda:" in line))  # with -s

@@ -5,8 +5,9 @@ vLLM's own path to them (pickled to worker processes): :class:`PlannedSchedulerO
 ``SchedulerOutput`` with one declared field more, :class:`StepPlan`. A worker refuses a scheduler
 output without it (the plan was lost, or the engine runs another scheduler), compacts every
 planned request in every attention layer or raises, and returns what it compacted on the step's
-model output (:class:`ReportedModelRunnerOutput`); the scheduler frees a compressed request's
-emptied blocks only when that report's digest equals its plan's.
+model output (:class:`ReportedModelRunnerOutput`, with the seconds the step's forward took and
+kvprune's own share of them); the scheduler frees a compressed request's emptied blocks only
+when that report's digest equals its plan's.
 """
 
 from __future__ import annotations
@@ -66,12 +67,29 @@ class PlannedSchedulerOutput(SchedulerOutput):
 
 @dataclasses.dataclass
 class ReportedModelRunnerOutput(ModelRunnerOutput):
-    """vLLM's model output with the digest of the :class:`StepPlan` the worker carried out."""
+    """vLLM's model output with the digest of the :class:`StepPlan` the worker carried out
+    ("": none) and the step's :class:`StepSeconds`."""
     kvprune_done: str = ""
+    kvprune_seconds: "StepSeconds" = None  # type: ignore[assignment]
 
     @classmethod
-    def of(cls, output: ModelRunnerOutput, digest: str) -> "ReportedModelRunnerOutput":
-        return _extended(cls, output, kvprune_done=digest)
+    def of(cls, output: ModelRunnerOutput, digest: str,
+           seconds: "StepSeconds") -> "ReportedModelRunnerOutput":
+        return _extended(cls, output, kvprune_done=digest, kvprune_seconds=seconds)
+
+
+class StepSeconds(NamedTuple):
+    """A worker's timing of one step: ``forward``, the model runner's execution (the
+    forward and kvprune's work in it, sampling apart); ``kvprune``, kvprune's own work in it
+    (its bookkeeping of the step's rows, recording queries, scoring, selecting, compacting,
+    truncating block tables). Wall-clock
+    seconds of the worker's process (CPU: synchronous)."""
+    kvprune: float
+    forward: float
+
+    def plus(self, other: "StepSeconds") -> "StepSeconds":
+        """Both fields summed (a tuple's ``+`` would concatenate)."""
+        return StepSeconds(self.kvprune + other.kvprune, self.forward + other.forward)
 
 
 class PlanNotCarriedOut(RuntimeError):

@@ -45,7 +45,8 @@ from vllm.v1.request import RequestStatus
 
 from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
-from kvprune_cuda.vllm.plan import Compression, PlannedSchedulerOutput, StepPlan, check_report
+from kvprune_cuda.vllm.plan import (Compression, PlannedSchedulerOutput, StepPlan, StepSeconds,
+                                    check_report)
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups
 
 
@@ -80,6 +81,9 @@ class Scheduler(_VllmScheduler):
         self._steps = 0                           # steps planned so far
         self._busy = False                        # a request was scheduled since idle
         self._prefix_hits: dict[str, int] = {}    # req_id -> prompt tokens read from the cache
+        # the worker's timing of every step since idle, summed (with tensor parallelism, the
+        # rank whose output reaches the scheduler)
+        self.kvprune_seconds = StepSeconds(0.0, 0.0)
         manager = self.kv_cache_manager
         allocate, cache = manager.allocate_slots, manager.coordinator.cache_blocks
         manager.allocate_slots = (
@@ -182,6 +186,7 @@ class Scheduler(_VllmScheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         # the workers compacted exactly the plan (else no block may be freed)
         check_report(scheduler_output.kvprune_plan, model_runner_output)
+        self._account(scheduler_output.kvprune_plan, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         compressing, self._compressing = self._compressing, {}
         for req_id, held in compressing.items():
@@ -200,6 +205,19 @@ class Scheduler(_VllmScheduler):
                 del state[req_id]
         self._log_if_idle()
         return outputs
+
+    def _account(self, plan: StepPlan, model_runner_output) -> None:
+        """Adds the step's worker timing (:class:`StepSeconds`) to the totals; a step that
+        compresses logs its own: kvprune's share of its forward."""
+        seconds = getattr(model_runner_output, "kvprune_seconds", None)
+        if seconds is None:
+            return
+        self.kvprune_seconds = self.kvprune_seconds.plus(seconds)
+        if plan.rows:
+            logger.info("kvprune_cuda: step %d compressed %d request(s): kvprune %.2f ms of "
+                        "the step's %.1f ms forward (%.2f %%)", plan.step, len(plan.rows),
+                        1e3 * seconds.kvprune, 1e3 * seconds.forward,
+                        100 * seconds.kvprune / max(seconds.forward, 1e-9))
 
     def _free_evicted_blocks(self, req_id: str, held: Held) -> None:
         manager = self.kv_cache_manager
@@ -221,9 +239,12 @@ class Scheduler(_VllmScheduler):
             return
         self._busy = False
         pool = self.kv_cache_manager.block_pool
+        spent, self.kvprune_seconds = self.kvprune_seconds, StepSeconds(0.0, 0.0)
         logger.info("kvprune_cuda: idle: %d blocks freed by compression in all; %d of %d "
-                    "blocks free in the pool", self.kvprune_freed_blocks,
-                    pool.get_num_free_blocks(), pool.num_gpu_blocks - 1)
+                    "blocks free in the pool; kvprune's own work took %.3f s of %.3f s of "
+                    "forwards since the last idle (%.2f %%)", self.kvprune_freed_blocks,
+                    pool.get_num_free_blocks(), pool.num_gpu_blocks - 1, spent.kvprune,
+                    spent.forward, 100 * spent.kvprune / max(spent.forward, 1e-9))
 
     def _preempt_request(self, request, *args, **kwargs):
         self.kvprune_held.pop(request.request_id, None)

@@ -30,13 +30,15 @@
    same way, selecting by that evidence.
 3. ``execute_model`` (wrapped): after the step, checks that every planned request was
    compacted in every layer (RuntimeError otherwise), drops the freed blocks from the
-   compressed rows' block tables and reports the plan's digest on the step's model output;
+   compressed rows' block tables and reports the plan's digest on the step's model output,
+   with the step's seconds (the forward's, and kvprune's own work in it: ``StepSeconds``);
    the scheduler, finding the same digest, returns the same blocks to its pool.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -52,7 +54,7 @@ from kvprune_cuda.vllm import check_vllm_version, logger
 from kvprune_cuda.vllm import config, rules
 from kvprune_cuda.vllm.cpu_cache import FP8_CACHE_DTYPES, compact_request, request_keys
 from kvprune_cuda.vllm.plan import (PlanNotCarriedOut, ReportedModelRunnerOutput, StepPlan,
-                                    plan_of)
+                                    StepSeconds, plan_of)
 from kvprune_cuda.vllm.support import check_engine, check_kv_cache_groups, check_layer
 
 STRIDED_ISAS = ("vec", "vec16")  # CPU_ATTN layouts that compact_request can address
@@ -88,13 +90,16 @@ class RunnerHooks:
         self.decode_evidence: dict[str, list] = {}
         self.decoding: list[_Row] = []     # rows whose decode queries the rule observes
         # req_id -> per layer: a bounded prefill's running maxima (fp32 [1, Hkv, held]), while
-        # the prefill of a request the bound compresses runs ("max" signal)
+        # the prefill of a request the bound compresses runs ("max", "far" signals)
         self.bound_scores: dict[str, list] = {}
         self.bounding: list[_Row] = []     # rows of those prefills whose maxima this step raises
         self.compactions = 0               # (layer, request) compactions done
         self.step_plan: StepPlan = None    # the plan of the step now running
         self.compacted: Counter = Counter()  # req_id -> layers compacted in this step
         self.report = None                 # digest of the plan carried out, to report
+        self.kvprune_seconds = 0.0         # kvprune's own work in the step now running
+        self.seconds = None                # the last step's StepSeconds, to report
+        self.total_seconds = StepSeconds(0.0, 0.0)  # every step's, summed
         self._select_strided_isa()
         prepare, execute = runner._prepare_inputs, runner.execute_model
         runner._prepare_inputs = lambda out, *a, **kw: self._prepare(prepare, out, *a, **kw)
@@ -111,7 +116,9 @@ class RunnerHooks:
         def attend(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
             out = forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if attn_metadata is not None:
+                t0 = time.perf_counter()
                 self._after_attention(module, query, attn_metadata)
+                self.kvprune_seconds += time.perf_counter() - t0
             return out
         return attend
 
@@ -131,11 +138,12 @@ class RunnerHooks:
 
     # ------------------------------------------------------------------ hooks
     def _prepare(self, prepare, scheduler_output, *args, **kwargs):
+        start = time.perf_counter()
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
         compress = self.step_plan.rows
         self.plan, self.recording, self.decoding, self.bounding = [], [], [], []
-        maxima = self.prefill is not None and self.prefill.signal == "max"
+        maxima = self.prefill is not None and self.prefill.carries
         observes = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             prompt_len = int(batch.num_prompt_tokens[row])
@@ -161,10 +169,13 @@ class RunnerHooks:
                 held = computed + scheduled - self.evicted.get(req_id, 0)
                 self.decoding.append(_Row(req_id, row, prompt_len, tokens=held,
                                           past_prompt=new))
+        t0 = time.perf_counter()
         result = prepare(scheduler_output, *args, **kwargs)
+        t1 = time.perf_counter()
         shift = [self.evicted.get(r, 0) for r in batch.req_ids[:num_reqs]]
         if any(shift):
             self._shift_to_compacted(num_reqs, torch.tensor(shift, dtype=torch.int32))
+        self.kvprune_seconds += (t0 - start) + (time.perf_counter() - t1)  # vLLM's apart
         return result
 
     def _shift_to_compacted(self, num_reqs: int, shift: torch.Tensor) -> None:
@@ -278,6 +289,8 @@ class RunnerHooks:
             self.bound_scores.pop(req_id, None)
 
     def _execute(self, execute, scheduler_output, *args, **kwargs):
+        start = time.perf_counter()
+        self.kvprune_seconds = 0.0
         self.step_plan = plan_of(scheduler_output)
         self._forget(scheduler_output)
         self.compacted.clear()
@@ -294,7 +307,11 @@ class RunnerHooks:
                 if req_id not in bounding:  # prefill done: maxima unused
                     self.bound_scores.pop(req_id, None)
         self._check_carried_out(plan)
+        t0 = time.perf_counter()
         self._truncate(plan)
+        end = time.perf_counter()
+        self.seconds = StepSeconds(self.kvprune_seconds + end - t0, end - start)
+        self.total_seconds = self.total_seconds.plus(self.seconds)
         return result
 
     def _check_carried_out(self, plan: list[_Row]) -> None:
@@ -310,11 +327,12 @@ class RunnerHooks:
         self.report = expected.digest() if done else None
 
     def reported(self, output):
-        """``output`` (the step's model output) with the digest of the plan carried out."""
-        if self.report is None or output is None:
+        """``output`` (the step's model output) with the digest of the plan carried out and
+        the step's :class:`StepSeconds`."""
+        if output is None or self.seconds is None:
             return output
-        digest, self.report = self.report, None
-        return ReportedModelRunnerOutput.of(output, digest)
+        (digest, self.report), (seconds, self.seconds) = (self.report, None), (self.seconds, None)
+        return ReportedModelRunnerOutput.of(output, digest or "", seconds)
 
     def _truncate(self, plan: list[_Row]) -> None:
         """Drops the blocks past each compressed row's kept tokens from its block tables."""
@@ -365,8 +383,10 @@ class CPUWorker(_VllmCPUWorker):
         """Compactions done, requests held compressed, requests whose observation-window
         queries are recorded while they prefill, requests with decode-rule evidence
         (snapkv: recent decode queries; h2o: attention sums) and requests with a bounded
-        prefill's running maxima (``llm.collective_rpc``)."""
+        prefill's running maxima, and the seconds of every step's forward with kvprune's own
+        work in them (:class:`StepSeconds`, summed) (``llm.collective_rpc``)."""
         return {"compactions": self.kvprune.compactions,
+                "seconds": self.kvprune.total_seconds._asdict(),
                 "evicted": dict(self.kvprune.evicted),
                 "recorded_windows": len(self.kvprune.window_queries),
                 "decode_evidence": len(self.kvprune.decode_evidence),
