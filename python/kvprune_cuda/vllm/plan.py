@@ -91,6 +91,11 @@ class StepSeconds(NamedTuple):
         """Both fields summed (a tuple's ``+`` would concatenate)."""
         return StepSeconds(self.kvprune + other.kvprune, self.forward + other.forward)
 
+    @property
+    def share(self) -> float:
+        """kvprune's own work as a percentage of the forward."""
+        return 100 * self.kvprune / max(self.forward, 1e-9)
+
 
 class PlanNotCarriedOut(RuntimeError):
     """A worker did not compact what its step's plan says."""

@@ -216,8 +216,7 @@ class Scheduler(_VllmScheduler):
         if plan.rows:
             logger.info("kvprune_cuda: step %d compressed %d request(s): kvprune %.2f ms of "
                         "the step's %.1f ms forward (%.2f %%)", plan.step, len(plan.rows),
-                        1e3 * seconds.kvprune, 1e3 * seconds.forward,
-                        100 * seconds.kvprune / max(seconds.forward, 1e-9))
+                        1e3 * seconds.kvprune, 1e3 * seconds.forward, seconds.share)
 
     def _free_evicted_blocks(self, req_id: str, held: Held) -> None:
         manager = self.kv_cache_manager
@@ -244,7 +243,7 @@ class Scheduler(_VllmScheduler):
                     "blocks free in the pool; kvprune's own work took %.3f s of %.3f s of "
                     "forwards since the last idle (%.2f %%)", self.kvprune_freed_blocks,
                     pool.get_num_free_blocks(), pool.num_gpu_blocks - 1, spent.kvprune,
-                    spent.forward, 100 * spent.kvprune / max(spent.forward, 1e-9))
+                    spent.forward, spent.share)
 
     def _preempt_request(self, request, *args, **kwargs):
         self.kvprune_held.pop(request.request_id, None)
