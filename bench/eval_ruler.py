@@ -33,7 +33,9 @@ as ``ruler_tasks.prompt_ids`` does):
   attention from any prompt query so far); snapkv-aware-bounded-far by the same maxima from
   the queries at least ``window`` positions after the key only (``prefill_signal="far"``);
   snapkv-aware-bounded-window by the policy's own selection by the last window queries
-  (``prefill_signal="window"``).
+  (``prefill_signal="window"``); snapkv-aware-bounded-far-novel by "far" with half of each
+  compression's kept tokens going first to each head's most novel keys
+  (``prefill_novelty=0.5``).
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
   cosine distance from its head's mean key): as kvpress's own pipeline
@@ -114,9 +116,10 @@ SETTINGS = {
     "kvzip-head-default": ("agnostic", "kvzip", "head"),
     "kvzip-global": ("agnostic", "kvzip", "global"),
     "kvzip-layer": ("agnostic", "kvzip", "layer"),
-    "snapkv-aware-bounded": ("bounded", "snapkv", None),
-    "snapkv-aware-bounded-far": ("bounded", "snapkv", None),
-    "snapkv-aware-bounded-window": ("bounded", "snapkv", None),
+    "snapkv-aware-bounded": ("bounded", "snapkv", ("max", 0.0)),  # (prefill_signal, _novelty)
+    "snapkv-aware-bounded-far": ("bounded", "snapkv", ("far", 0.0)),
+    "snapkv-aware-bounded-window": ("bounded", "snapkv", ("window", 0.0)),
+    "snapkv-aware-bounded-far-novel": ("bounded", "snapkv", ("far", 0.5)),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
     "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
@@ -368,7 +371,7 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     for s, f in cfgs:
         if SETTINGS[s][0] == "bounded":
             out[config_name(s, f)] = _bounded(model, tok, prompt, refs, _setting_policy(s, args),
-                                              f, args, max_new, _bounded_signal(s))
+                                              f, args, max_new, *SETTINGS[s][2])
         if SETTINGS[s][0] == "kvpress":  # query-aware: the prompt but its last token, then it
             aware_press = _press_mode(s) == "aware"
             c, q = (prompt[:, :-1], prompt[:, -1:]) if aware_press else (ctx, qst)
@@ -384,13 +387,8 @@ def run_sample(model, tok, ctx, qst, refs, cfgs, args, max_new, kvpress=None) ->
     return {config_name(s, f): out[config_name(s, f)] for s, f in cfgs}, shared
 
 
-def _bounded_signal(setting: str) -> str:
-    """The ``prefill_signal`` of a bounded setting: its name's last word, else "max"."""
-    last = setting.rsplit("-", 1)[1]
-    return last if last in kp.policy.prefill.SIGNALS else "max"
-
-
-def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str) -> dict:
+def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str,
+             novelty: float) -> dict:
     """The bounded-peak prefill of ``prompt`` but its last token (module doc), then that token
     starts the answer; its record has the bound, the chunk, the peak held and the prefill's
     seconds (compression included) besides the usual."""
@@ -400,7 +398,8 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str)
     budget = kp.hf.resolve_budget(frac, ids.shape[1])
     bound = int(args.prefill_held * budget)
     comp = kp.hf.KVCompressor(model, policy, frac, prefill_max_held=bound,
-                              prefill_chunk=args.prefill_chunk, prefill_signal=signal)
+                              prefill_chunk=args.prefill_chunk, prefill_signal=signal,
+                              prefill_novelty=novelty)
     cache = DynamicCache()
     comp.attach()
     try:
@@ -416,7 +415,7 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str)
             "kv_bytes": c.nbytes, "kv_at": "after the prompt",
             "tokens_per_layer": list(c.tokens_per_layer), "budget_tokens": budget,
             "prefill_max_held": bound, "prefill_chunk": args.prefill_chunk,
-            "prefill_signal": signal,
+            "prefill_signal": signal, "prefill_novelty": novelty,
             "peak_held": comp.peak_held, "new": g[0, 1:].tolist()}
 
 

@@ -24,32 +24,42 @@ N, CHUNK, BOUND, BUDGET, W = 196, 48, 40, 24, 8  # the last chunk (4) is shorter
 OPTS = dict(n_sink=4, window=W, kernel_size=5, pool_shift=2)
 
 
-def _expected_max(q, k, carried, far=0):
+def _expected_max(q, k, carried, far=0, novelty=None):
     """The "max" (``far`` 0) or "far" (``far`` = W) signal's kept positions of a chunk whose
     attention got queries ``q`` and keys ``k``, by the reference, and the running maxima after
     it (``carried``: before). "far": each query scores the keys ``far`` or more positions
-    before it (test_policy checks that rule by hand)."""
+    before it (test_policy checks that rule by hand). ``novelty``: that share of the bound
+    goes first to each head's keys least aligned with its mean unit key, after pooling."""
     fresh = _max_probability_by_hand(q, k, far).float()
     if carried is not None:
         fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]], carried)
     pooled = ref.pool_scores(fresh, 5, "max", window=W, shift=2)
+    if novelty:
+        unit = k.double() / k.double().norm(dim=-1, keepdim=True)
+        mean = unit.mean(2, keepdim=True)
+        cosine = (unit * mean).sum(-1) / mean.norm(dim=-1)  # [B, Hkv, n]
+        novel = (-cosine).topk(int(novelty * BOUND), -1).indices
+        pooled = pooled.clone()
+        pooled.scatter_(-1, novel, pooled.gather(-1, novel) + 1)
     idx = ref.select_keep(pooled, BOUND, n_sink=4, window=W).long()
     return idx, fresh.gather(2, idx)
 
 
-@pytest.mark.parametrize("signal", ["max", "far", "window"])
+@pytest.mark.parametrize("signal,novelty", [("max", None), ("far", None), ("window", None),
+                                            ("far", 0.5)])
 def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chunk(
-        model, gen, signal):
+        model, gen, signal, novelty):
     """After each chunk, what the next chunk's attention received begins with the reference's
     selection of what this one's received: "max" by the running maximum over every prompt
     query so far of each key's attention (ref.window_scores qreduce "max"), pooled; "far" the
-    same from the queries W or more positions after the key; "window"
-    by ref.snapkv voted for by the last W queries; the last chunk keeps ref.snapkv's budget."""
+    same from the queries W or more positions after the key (with ``novelty``, half the bound
+    to each head's most novel keys first); "window" by ref.snapkv voted for by the last W queries; the last chunk keeps ref.snapkv's budget."""
     ids = _ids(gen, 1, N)
     cache = transformers.DynamicCache()
     with _eager_capture(model) as calls, torch.no_grad():
         with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
-                            prefill_chunk=CHUNK, prefill_signal=signal) as comp:
+                            prefill_chunk=CHUNK, prefill_signal=signal,
+                            prefill_novelty=novelty) as comp:
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     # held after each chunk, by hand: 48 -> 40, 40+48 = 88 -> 40 (x3), 40+4 = 44 -> 24 (the budget)
     assert comp.peak_held == BOUND + CHUNK == 88
@@ -69,7 +79,7 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
             else:
                 idx, carried = (ref.snapkv(window, k, k, BOUND, **OPTS)[2].long(), None) \
                     if signal == "window" else \
-                    _expected_max(q, k, carried, far=W if signal == "far" else 0)
+                    _expected_max(q, k, carried, W if signal == "far" else 0, novelty)
                 exp_k = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))
                 got = chunks[j + 1][1][:, :, :BOUND]  # what the next chunk attended over
             torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)

@@ -54,8 +54,8 @@ class KVCompressor:
     recorded alongside (their window queries, h2o sums), e.g. to compress one prefill several
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
     reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
-    ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`), ``prefill_signal``:
-    the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
+    ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`), ``prefill_signal``,
+    ``prefill_novelty``: the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
@@ -70,7 +70,8 @@ class KVCompressor:
                  observe: Iterable["policies.Policy"] = (), decode: Optional[str] = None,
                  max_held: Optional[int] = None, interval: Optional[int] = None,
                  prefill_max_held: Optional[int] = None, prefill_chunk: Optional[int] = None,
-                 prefill_signal: Optional[str] = None, **option_fields) -> None:
+                 prefill_signal: Optional[str] = None, prefill_novelty: Optional[float] = None,
+                 **option_fields) -> None:
         if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
             options = dataclasses.replace(options or policies.Options(), **option_fields)
         self.policy = policies.make(policy, options, budget=budget)
@@ -83,7 +84,7 @@ class KVCompressor:
             raise ValueError(f"policy: {self.policy.name!r} scores by reconstructing the "
                              "context after its prefill; use kp.hf.compress_context")
         self.prefill_bound = policies.make_prefill_bound(prefill_max_held, self.policy,
-                                                         prefill_signal)
+                                                         prefill_signal, prefill_novelty)
         if self.prefill_bound is None and prefill_chunk is not None:
             raise ValueError("prefill_chunk: given without prefill_max_held")
         self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
@@ -262,7 +263,7 @@ class KVCompressor:
             select.compress_layer(st, cache, i, self.policy, kept, None)
             st.queries = queries
             return
-        select.keep_positions(st, cache, i, bound.select(st.bound, kept))
+        select.keep_positions(st, cache, i, bound.select(st.bound, kept, keys=k))
 
     def _base_pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -474,7 +475,8 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              decode: Optional[str] = None, max_held: Optional[int] = None,
              interval: Optional[int] = None, prefill_max_held: Optional[int] = None,
              prefill_chunk: Optional[int] = None,
-             prefill_signal: Optional[str] = None) -> Iterator[KVCompressor]:
+             prefill_signal: Optional[str] = None,
+             prefill_novelty: Optional[float] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
@@ -487,14 +489,16 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     more than ``prefill_max_held + prefill_chunk`` tokens, the held tokens ranked by
     ``prefill_signal`` ("max", the default: each key's largest attention from any prompt query
     so far; "far": from the queries at least ``window`` positions after it; "window": the
-    policy's own selection) (:class:`kvprune_cuda.policy.PrefillBound`;
+    policy's own selection), ``prefill_novelty`` of each compression's kept tokens going first
+    to each head's most novel keys (default 0) (:class:`kvprune_cuda.policy.PrefillBound`;
     rows without padding; the split forward returns the last chunk's hidden states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
     ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
                         interval=interval, prefill_max_held=prefill_max_held,
-                        prefill_chunk=prefill_chunk, prefill_signal=prefill_signal).attach()
+                        prefill_chunk=prefill_chunk, prefill_signal=prefill_signal,
+                        prefill_novelty=prefill_novelty).attach()
     try:
         yield comp
     finally:

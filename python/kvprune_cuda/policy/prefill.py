@@ -9,10 +9,11 @@ from typing import Optional
 
 import torch
 
-from kvprune_cuda._args import check_int, check_str
+from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda._ops import pool_scores, select_keep, window_scores
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.full import Full
+from kvprune_cuda.policy.novelty import reserve_novel
 
 # the evidence a chunk's compression can be given without the rest of the prompt: the keys,
 # and the last `window` queries seen so far (the current chunk's, and the chunks' before)
@@ -36,7 +37,10 @@ class PrefillBound:
     policy's pool (:meth:`select`); "far", the same over the queries at least ``window``
     positions after the key (:meth:`far`); "window", ``policy``'s own selection (snapkv: voted for by
     the last ``window`` queries of the prompt so far, pooled over neighbours in the held
-    order). The chunk that ends the prompt is compressed to the policy's budget of the whole
+    order). ``novelty`` (a fraction, with "max" or "far"): that share of each compression's
+    kept tokens goes first, in every KV head, to the held keys most unlike the head's others
+    (:func:`~kvprune_cuda.policy.novelty.key_novelty`: a needle in prose that no later query
+    looks at yet), the rest by the signal. The chunk that ends the prompt is compressed to the policy's budget of the whole
     prompt as an unbounded prefill is (from the tokens still held; nothing when they fit it).
     So a request never holds more than ``target + chunk`` tokens while it prefills. Positions
     are never changed (kept keys keep their rotation)."""
@@ -44,10 +48,16 @@ class PrefillBound:
     policy: Policy
     max_held: int
     signal: str = "max"
+    novelty: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("prefill_max_held", self.max_held, 1)
         check_str("prefill_signal", self.signal, SIGNALS)
+        check_fraction("prefill_novelty", self.novelty)
+        if self.novelty and not self.carries:
+            raise ValueError(f"prefill_novelty: reserves keys beside the running maxima; "
+                             f"prefill_signal {self.signal!r} ranks by the policy's own "
+                             "selection (use 'max' or 'far')")
         p = self.policy
         if isinstance(p, Full) or p.fixed_capacity or p.evidence not in BOUNDED_EVIDENCE:
             why = ("keeps every token" if isinstance(p, Full) else
@@ -113,25 +123,34 @@ class PrefillBound:
             fresh[..., :m] = torch.maximum(fresh[..., :m], held)
         return fresh
 
-    def select(self, scores: torch.Tensor, kept: int, pinned: int = 0) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, kept: int, pinned: int = 0,
+               keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int32 [B, Hkv, kept] ascending positions to keep by the carried ``scores`` (fp32
-        [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window`` and the top
-        pooled scores (the policy's pool, if it has one)."""
+        [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window``, with
+        :attr:`novelty` the ``int(novelty * kept)`` most novel of the held ``keys`` [B, Hkv,
+        n, D] (needed then only), and the top pooled scores (the policy's pool, if it has
+        one; the reserve is raised after pooling, so it does not spread to neighbours)."""
         p = self.policy
         kernel = getattr(p, "kernel_size", 1)
         if kernel > 1:
             scores = pool_scores(scores.contiguous(), kernel, getattr(p, "pool", "max"),
                                  window=p.window, shift=getattr(p, "shift", 0))
+        if self.novelty:
+            if keys is None:
+                raise ValueError(f"keys: prefill_novelty = {self.novelty} ranks the held keys")
+            scores = reserve_novel(scores, keys, int(self.novelty * kept))
         return select_keep(scores.contiguous(), kept, n_sink=max(p.n_sink, pinned),
                            window=p.window)
 
 
-def make_prefill_bound(max_held: Optional[int], policy: Policy,
-                       signal: Optional[str] = None) -> Optional[PrefillBound]:
+def make_prefill_bound(max_held: Optional[int], policy: Policy, signal: Optional[str] = None,
+                       novelty: Optional[float] = None) -> Optional[PrefillBound]:
     """The :class:`PrefillBound` of ``policy`` at ``max_held`` tokens ranking by ``signal``
-    (None: "max"); None: unbounded."""
+    (None: "max") with ``novelty`` (None: 0) reserved for novel keys; None: unbounded."""
     if max_held is None:
-        if signal is not None:
-            raise ValueError("prefill_signal: given without prefill_max_held")
+        for name, value in (("prefill_signal", signal), ("prefill_novelty", novelty)):
+            if value is not None:
+                raise ValueError(f"{name}: given without prefill_max_held")
         return None
-    return PrefillBound(policy, max_held, "max" if signal is None else signal)
+    return PrefillBound(policy, max_held, "max" if signal is None else signal,
+                        0.0 if novelty is None else novelty)
