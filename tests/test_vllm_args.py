@@ -227,6 +227,18 @@ def test_the_prefill_bound_reaches_the_engine_and_the_server():
         kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=64, prefill_signal="sum")
     with pytest.raises(ValueError, match="prefill_signal: given without prefill_max_held"):
         kp.vllm.engine_args("snapkv", 0.16, prefill_signal="max")
+    novel = kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=4096, prefill_signal="far",
+                                prefill_novelty=0.5)
+    assert config.prefill_from_vllm_config(
+        type("Cfg", (), {"additional_config": novel["additional_config"]})) == \
+        kp.policy.PrefillBound(kp.policy.SnapKV(0.16), 4096, "far", 0.5)
+    assert vllm_argv(["m", "--kv-prefill-max-held", "64", "--kv-prefill-novelty", "0.25"])[2:] \
+        == kp.vllm.server_args("snapkv", prefill_max_held=64, prefill_novelty=0.25)
+    with pytest.raises(ValueError, match="prefill_novelty: .*'window'"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=64, prefill_signal="window",
+                            prefill_novelty=0.5)
+    with pytest.raises(ValueError, match="prefill_novelty: given without prefill_max_held"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_novelty=0.5)
 
 
 def test_a_bounded_prefill_compresses_each_earlier_chunk_over_the_bound():

@@ -33,14 +33,14 @@ def long_prompts():
     return [torch.randint(0, 512, (PROMPT,), generator=g).tolist() for _ in range(2)]
 
 
-def bounded_args(signal=None, **rule):
+def bounded_args(signal=None, novelty=None, **rule):
     return kp.vllm.engine_args("snapkv", BUDGET, prefill_max_held=BOUND, prefill_signal=signal,
-                               **rule)
+                               prefill_novelty=novelty, **rule)
 
 
-def hf_bounded(hf_model, prompt, signal=None):
+def hf_bounded(hf_model, prompt, signal=None, novelty=None):
     with kp.hf.compress(hf_model, "snapkv", BUDGET, prefill_max_held=BOUND, prefill_chunk=CHUNK,
-                        prefill_signal=signal, **RULE) as comp:
+                        prefill_signal=signal, prefill_novelty=novelty, **RULE) as comp:
         gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False)
     assert comp.peak_held == BOUND + CHUNK
     return gen[0, len(prompt):].tolist()
@@ -85,11 +85,12 @@ def run_steps(llm, requests, abort_after=None, later=None, hits=None):
     return tokens, blocks, scheduler
 
 
-@pytest.mark.parametrize("signal", ["max", "far", "window"])
+@pytest.mark.parametrize("signal,novelty", [("max", None), ("far", None), ("window", None),
+                                            ("far", 0.5)])
 def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model, long_prompts,
-                                                             signal):
+                                                             signal, novelty):
     llm = make_llm(model_dir, num_gpu_blocks_override=POOL, max_num_batched_tokens=CHUNK,
-                   **bounded_args(signal, **RULE))
+                   **bounded_args(signal, novelty, **RULE))
     tokens, blocks, scheduler = run_steps(llm, {"long": long_prompts[0]})
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.num_gpu_blocks == POOL and PROMPT > 4 * (POOL - 1) * BLOCK
@@ -102,7 +103,7 @@ def test_a_prompt_four_times_the_pool_runs_and_matches_kp_hf(model_dir, hf_model
     assert stats["evicted"] == {} and stats["recorded_windows"] == stats["bound_scores"] == 0
     # the worker timed its own work (scoring, selecting, compacting) inside every forward
     assert 0 < stats["seconds"]["kvprune"] < stats["seconds"]["forward"], stats["seconds"]
-    assert tokens["long"] == hf_bounded(hf_model, long_prompts[0], signal)
+    assert tokens["long"] == hf_bounded(hf_model, long_prompts[0], signal, novelty)
 
 
 def test_aborted_mid_prefill_loses_no_block_and_spares_the_other(model_dir, hf_model,

@@ -67,7 +67,8 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                 pool_shift: Optional[int] = None,
                 decode: Optional[str] = None, max_held: Optional[int] = None,
                 interval: Optional[int] = None, prefill_max_held: Optional[int] = None,
-                prefill_signal: Optional[str] = None) -> dict:
+                prefill_signal: Optional[str] = None,
+                prefill_novelty: Optional[float] = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model, **args)`` (or ``EngineArgs``) that make the
     engine compress each request after its prefill (module doc). Merge your own arguments
     into the result; do not override the ones it sets. vLLM's defaults stand (chunked
@@ -78,7 +79,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
     multiple of the engine's block size), a request holding more than ``max_held`` tokens is
     compressed back to ``max_held`` and its emptied blocks are freed; the same options.
 
-    ``prefill_max_held``, ``prefill_signal``: the bounded-peak prefill
+    ``prefill_max_held``, ``prefill_signal``, ``prefill_novelty``: the bounded-peak prefill
     (:class:`kvprune_cuda.policy.PrefillBound`, kp.hf's rule): after each chunk of a prompt's chunked prefill (``max_num_batched_tokens``
     tokens a step at most), a request holding more than ``prefill_max_held`` tokens is
     compressed back to it and its emptied blocks are freed, so a prompt longer than the KV
@@ -97,7 +98,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                                gqa=gqa, pool_shift=pool_shift)
     p = engine_policy(policy, budget, options)
     rule = policies.make_decode(decode, max_held, interval, options, prompt=p)
-    bound = policies.make_prefill_bound(prefill_max_held, p, prefill_signal)
+    bound = policies.make_prefill_bound(prefill_max_held, p, prefill_signal, prefill_novelty)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",

@@ -69,7 +69,8 @@ def engine_config(policy: "policies.Policy", decode: Optional["policies.DecodeRu
         rule.update(decode=decode.policy.name, max_held=decode.max_held, interval=decode.interval)
     return {**policy.to_config(), "class": class_path(policy), "decode": rule,
             "prefill_max_held": None if prefill is None else prefill.max_held,
-            "prefill_signal": None if prefill is None else prefill.signal}
+            "prefill_signal": None if prefill is None else prefill.signal,
+            "prefill_novelty": None if prefill is None else prefill.novelty}
 
 
 def _config(vllm_config) -> dict:
@@ -87,6 +88,7 @@ def from_vllm_config(vllm_config) -> "policies.Policy":
     config.pop("decode", None)
     config.pop("prefill_max_held", None)
     config.pop("prefill_signal", None)
+    config.pop("prefill_novelty", None)
     if "class" in config:
         policy_class(config.pop("class"))
     return engine_policy(**{"policy": None, **config})
@@ -102,7 +104,8 @@ def prefill_from_vllm_config(vllm_config) -> Optional["policies.PrefillBound"]:
     """The bounded prefill in the engine's configuration (None: unbounded)."""
     config = _config(vllm_config)
     return policies.make_prefill_bound(config.get("prefill_max_held"),
-                                       from_vllm_config(vllm_config), config.get("prefill_signal"))
+                                       from_vllm_config(vllm_config), config.get("prefill_signal"),
+                                       config.get("prefill_novelty"))
 
 
 def is_configured(vllm_config) -> bool:

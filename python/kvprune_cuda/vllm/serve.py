@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
                         "every chunk that leaves more (prompts longer than the KV pool)")
     p.add_argument("--kv-prefill-signal", default=None,
                    help="what ranks a bounded prefill's held tokens: max (default) | far | window")
+    p.add_argument("--kv-prefill-novelty", type=float, default=None,
+                   help="bounded prefill: the share of each compression's kept tokens that "
+                        "goes first to each head's most novel keys (0 default; max or far)")
     return p
 
 
@@ -73,7 +76,8 @@ def vllm_argv(argv: Sequence[str]) -> list:
                         decode=ours.kv_decode,
                         max_held=ours.kv_max_held, interval=ours.kv_interval,
                         prefill_max_held=ours.kv_prefill_max_held,
-                        prefill_signal=ours.kv_prefill_signal)
+                        prefill_signal=ours.kv_prefill_signal,
+                        prefill_novelty=ours.kv_prefill_novelty)
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag}: set by kvprune_cuda.vllm.serve; leave it out")

@@ -229,8 +229,9 @@ class RunnerHooks:
             row_blocks = blocks(row)
             policy = rules.with_pinned(policy, row.kept, row.pinned)
             maxima = self.bound_scores.get(row.req_id)
-            if row.kind == "chunk" and maxima is not None:  # by the running maxima, no key read
-                idx = self.prefill.select(maxima[layer], row.kept, row.pinned)
+            if row.kind == "chunk" and maxima is not None:  # by the running maxima
+                keys = keys_of(row, row_blocks) if self.prefill.novelty else None
+                idx = self.prefill.select(maxima[layer], row.kept, row.pinned, keys)
                 maxima[layer] = maxima[layer].gather(2, idx.long())
             elif row.kind == "decode" and self.decode.accumulates:  # h2o: by the sums
                 evidence = self.decode_evidence[row.req_id]
