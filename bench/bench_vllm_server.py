@@ -23,6 +23,12 @@ with each needle's depth in the result file). Before the runs, each server answe
 warm-up request of its own (not one of the measured prompts: a measured prompt would then be
 a prefix-cache hit on the dense server, and costs a whole prefill at long prompts).
 
+``--workloads abort`` (kvprune settings): a burst whose first clients close their connection
+mid-prefill (after two bounded compressions; snapkv-bounded only), right after the first token
+and mid-decode (``server_aborts.py``); reported: each abort's phase, the compressions the server
+made for it before and after, the pass keys of the requests that stayed, and the pool after the
+last request (the scheduler's idle line: every block free, or blocks lost).
+
 ``--pool-requests`` may be a fraction (a pool smaller than one dense request: prompts longer
 than the pool, which only a bounded prefill with a decode-time rule, ``--decode``, serves).
 Per kvprune run, the blocks each request held over time, from the server's own kvprune lines
@@ -45,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import server_aborts  # noqa: E402
 from bench_vllm import BLOCK, make_requests, percentile  # noqa: E402
 
 
@@ -193,13 +200,15 @@ def table(rows, meta):
              f"{meta['dtype']}; commit {meta['commit']}",
              f"{meta['n']} requests of {meta['prompt_tokens']} prompt tokens + {meta['gen']} "
              f"generated; pool {meta['pool_blocks']} blocks of {BLOCK} (= "
-             f"{meta['pool_requests']} dense requests); Poisson rate {meta['rate']}/s", "",
-             "| mode | setting | workload | peak running | x dense | mean running | req/s | "
-             "out tok/s | x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | preemptions | "
-             "pass key |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{meta['pool_requests']} dense requests); Poisson rate {meta['rate']}/s"]
+    if any(r["workload"] != "abort" for r in rows):
+        lines += ["", "| mode | setting | workload | peak running | x dense | mean running | "
+                  "req/s | out tok/s | x dense | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | "
+                  "preemptions | pass key |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["mode"], r["workload"]): r for r in rows if r["setting"] == "dense"}
     for r in rows:
+        if r["workload"] == "abort":
+            continue
         d = dense.get((r["mode"], r["workload"]))
         x = lambda k: f"{r[k] / d[k]:.2f}" if d and d[k] else "-"  # noqa: E731
         lines.append(
@@ -216,6 +225,15 @@ def table(rows, meta):
                 f"timing) {c['busy_share_pct']:.2f} % of {c['busy_forward_s']:.1f} s of "
                 f"forwards; per compressing step ({c['compressing_steps']}) p50 "
                 f"{c['step_share_p50_pct']:.2f} %, p99 {c['step_share_p99_pct']:.2f} %")
+    for r in rows:
+        if r["workload"] == "abort":
+            left = "; ".join(f"{a['aborted']} (after {a['compressions_at_abort']} "
+                             f"compression(s) and {a['tokens']} token(s); "
+                             f"{a['compressions_after_abort']} after)" for a in r["aborts"])
+            lines.append(f"\n{r['mode']} {r['setting']} abort: clients left at {left}; "
+                         f"{r['hits']}/{r['stayed']} pass keys of those that stayed; pool after: "
+                         f"{r['pool']['free_blocks']} of {r['pool']['usable_blocks']} blocks "
+                         f"free ({'whole' if r['pool']['whole'] else 'BLOCKS LOST'})")
     return "\n".join(lines)
 
 
@@ -232,7 +250,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["compile", "eager"],
                     choices=["compile", "eager"])
     ap.add_argument("--workloads", nargs="+", default=["burst", "poisson"],
-                    choices=["burst", "poisson"])
+                    choices=["burst", "poisson", "abort"],
+                    help="abort (kvprune settings): a burst whose first clients leave mid-"
+                         "prefill, after the first token and mid-decode (server_aborts.py)")
     ap.add_argument("--settings", nargs="+", default=["dense", "snapkv"],
                     choices=["dense", "snapkv", "snapkv-bounded"])
     ap.add_argument("--prefill-held", type=float, default=2.0,
@@ -299,6 +319,18 @@ def main() -> None:
                 workload(server, warmup, 4, [0.0])
                 for wl in args.workloads:
                     seen = len(server.text())  # the log of this workload's requests only
+                    if wl == "abort" and not flags:
+                        print(f"{mode} {name}: no abort workload (the pool is read off "
+                              "kvprune's idle line)", flush=True)
+                        continue
+                    if wl == "abort":
+                        phases = [p for p in server_aborts.PHASES
+                                  if p != "prefill" or name == "snapkv-bounded"]
+                        rows.append({"mode": mode, "setting": name, "workload": wl,
+                                     "phases": phases, **server_aborts.abort_workload(
+                                         server, reqs, args.gen, phases, f"{mode}-{name}-")})
+                        print(json.dumps(rows[-1]), flush=True)
+                        continue
                     result = workload(server, reqs, args.gen, arrivals[wl])
                     rows.append({"mode": mode, "setting": name, "workload": wl, **result})
                     if flags:
