@@ -25,7 +25,7 @@ a prefix-cache hit on the dense server, and costs a whole prefill at long prompt
 
 ``--workloads abort`` (kvprune settings): a burst whose first clients close their connection
 mid-prefill (after two bounded compressions; snapkv-bounded only), right after the first token
-and mid-decode (``server_aborts.py``); reported: each abort's phase, the compressions the server
+and mid-decode (``server_client.py``); reported: each abort's phase, the compressions the server
 made for it before and after, the pass keys of the requests that stayed, and the pool after the
 last request (the scheduler's idle line: every block free, or blocks lost).
 
@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import server_aborts  # noqa: E402
+import server_client  # noqa: E402
 from bench_vllm import BLOCK, make_requests, percentile  # noqa: E402
 
 
@@ -65,31 +65,9 @@ def metric(server, name: str) -> float:
     raise KeyError(f"{name} is not in {server.url('/metrics')}")
 
 
-def one_request(server, ids, gen, t0, record):
-    """Streams one completion; records (arrival, first token, last token, tokens, text)."""
-    body = {"model": "m", "prompt": ids, "max_tokens": gen, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(server.url("/v1/completions"),
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
-    arrival = time.perf_counter() - t0
-    first = last = None
-    text = []
-    with urllib.request.urlopen(req, timeout=3600) as resp:
-        for line in resp:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                now = time.perf_counter() - t0
-                first = now if first is None else first
-                last = now
-                text.append(event["choices"][0]["text"])
-    record.update(arrival=arrival, first=first, last=last, text="".join(text))
-
-
-def workload(server, reqs, gen, arrivals):
-    """Sends ``reqs`` at ``arrivals`` (s after the start); polls the running count meanwhile."""
+def workload(server, reqs, gen, arrivals, tag):
+    """Sends ``reqs`` at ``arrivals`` (s after the start), request i as ``X-Request-Id``
+    ``<tag><i>``; polls the running count meanwhile."""
     t0 = time.perf_counter()
     records = [dict() for _ in reqs]
     polls, stop = [], threading.Event()
@@ -104,11 +82,12 @@ def workload(server, reqs, gen, arrivals):
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     threads = []
-    for (ids, _), at, rec in zip(reqs, arrivals, records):
+    for i, ((ids, _), at, rec) in enumerate(zip(reqs, arrivals, records)):
         delay = at - (time.perf_counter() - t0)
         if delay > 0:
             time.sleep(delay)
-        th = threading.Thread(target=one_request, args=(server, ids, gen, t0, rec))
+        th = threading.Thread(target=server_client.streamed_request,
+                              args=(server, ids, gen, f"{tag}{i}", t0, rec))
         th.start()
         threads.append(th)
     for th in threads:
@@ -252,7 +231,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["burst", "poisson"],
                     choices=["burst", "poisson", "abort"],
                     help="abort (kvprune settings): a burst whose first clients leave mid-"
-                         "prefill, after the first token and mid-decode (server_aborts.py)")
+                         "prefill, after the first token and mid-decode (server_client.py)")
     ap.add_argument("--settings", nargs="+", default=["dense", "snapkv"],
                     choices=["dense", "snapkv", "snapkv-bounded"])
     ap.add_argument("--prefill-held", type=float, default=2.0,
@@ -316,7 +295,7 @@ def main() -> None:
             try:
                 server.wait_ready(900)
                 # one warm-up request (compilation of new shapes is not measured)
-                workload(server, warmup, 4, [0.0])
+                workload(server, warmup, 4, [0.0], "warmup-")
                 for wl in args.workloads:
                     seen = len(server.text())  # the log of this workload's requests only
                     if wl == "abort" and not flags:
@@ -324,14 +303,14 @@ def main() -> None:
                               "kvprune's idle line)", flush=True)
                         continue
                     if wl == "abort":
-                        phases = [p for p in server_aborts.PHASES
+                        phases = [p for p in server_client.PHASES
                                   if p != "prefill" or name == "snapkv-bounded"]
                         rows.append({"mode": mode, "setting": name, "workload": wl,
-                                     "phases": phases, **server_aborts.abort_workload(
+                                     "phases": phases, **server_client.abort_workload(
                                          server, reqs, args.gen, phases, f"{mode}-{name}-")})
                         print(json.dumps(rows[-1]), flush=True)
                         continue
-                    result = workload(server, reqs, args.gen, arrivals[wl])
+                    result = workload(server, reqs, args.gen, arrivals[wl], f"{mode}-{name}-{wl}-")
                     rows.append({"mode": mode, "setting": name, "workload": wl, **result})
                     if flags:
                         rows[-1]["block_trace"] = block_trace(server.text()[seen:])

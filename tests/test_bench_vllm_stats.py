@@ -63,10 +63,10 @@ def test_the_server_benchmark_reads_kvprune_s_own_timing_from_the_log():
 
 
 def test_the_abort_workload_reads_each_request_s_compressions_and_the_pool_from_the_log():
-    """server_aborts on a hand-made log: request "x-1" compressed twice (once mid-prefill,
+    """server_client on a hand-made log: request "x-1" compressed twice (once mid-prefill,
     once at its prompt's end), "x-10" once (its id begins like x-1's); the last idle line
     says whether every block came back."""
-    import server_aborts as sa
+    import server_client as sa
 
     line = ("(EngineCore pid=1) INFO 12-07 21:56:30 [scheduler.py:230] kvprune_cuda: request "
             "cmpl-{}-0-9244408b keeps 1472 of 2048 tokens, 18 blocks freed (31 in all)")
@@ -88,3 +88,66 @@ def test_the_abort_workload_reads_each_request_s_compressions_and_the_pool_from_
     Server.text = staticmethod(lambda: log)
     with pytest.raises(TimeoutError, match="no kvprune idle line"):
         sa.pool_after(Server, 0, timeout=0.1)
+
+
+def test_the_client_streams_a_completion_and_walks_away_at_its_phase():
+    """server_client.streamed_request against a local server streaming 6 tokens, 50 ms apart:
+    staying, the client gets all 6 in order; leaving at "first" or "decode" (half of 6), the
+    server's next writes fail: it saw the connection close (as vLLM does, and aborts)."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    import server_client as sa
+
+    seen = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            rid = self.headers["X-Request-Id"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            sent = 0
+            try:
+                for i in range(6):
+                    event = {"choices": [{"text": f"t{i} "}]}
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                    self.wfile.flush()
+                    sent += 1
+                    time.sleep(0.05)
+                self.wfile.write(b"data: [DONE]\n\n")
+                seen[rid] = ("done", sent)
+            except OSError:
+                seen[rid] = ("closed", sent)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class Server:
+        url = staticmethod(lambda route: f"http://127.0.0.1:{httpd.server_port}{route}")
+        text = staticmethod(lambda: "")
+    try:
+        records = {phase: {} for phase in (None, "first", "decode")}
+        for phase, rec in records.items():
+            sa.streamed_request(Server, [1, 2], 6, f"r-{phase}", time.perf_counter(), rec, phase)
+        for _ in range(100):  # the handlers notice the closed connections on their next writes
+            if len(seen) == 3:
+                break
+            time.sleep(0.05)
+    finally:
+        httpd.shutdown()
+    assert records[None]["text"] == "t0 t1 t2 t3 t4 t5 " and records[None]["tokens"] == 6
+    assert "aborted" not in records[None] and seen["r-None"] == ("done", 6)
+    assert (records["first"]["tokens"], records["first"]["aborted"]) == (1, "first")
+    assert (records["decode"]["tokens"], records["decode"]["aborted"]) == (3, "decode")
+    assert seen["r-first"][0] == seen["r-decode"][0] == "closed"
+    assert records["first"]["first"] <= records["first"]["abort_at"]

@@ -1,6 +1,7 @@
-"""Clients that walk away: requests to vLLM's OpenAI server whose HTTP connection the client
-closes at a chosen phase of the request, as a user pressing "stop" does; vLLM then aborts the
-request. Used by ``bench_vllm_server.py --workloads abort``.
+"""The benchmark's HTTP client of vLLM's OpenAI server: streamed completions
+(:func:`streamed_request`), some of whose clients walk away, closing the connection at a chosen
+phase of the request as a user pressing "stop" does (vLLM then aborts the request):
+``bench_vllm_server.py``'s workloads, ``--workloads abort`` among them.
 
 Phases (:data:`PHASES`), each read off what the client itself can see:
 
@@ -10,8 +11,9 @@ Phases (:data:`PHASES`), each read off what the client itself can see:
 * "first": right after the first generated token (the prompt compressed, nothing decoded);
 * "decode": after half the requested tokens (past any decode-time compression due by then).
 
-The request carries ``X-Request-Id`` so its lines in the server log can be told apart; after
-the run :func:`pool_after` reads the scheduler's idle line: every block back in the pool or not.
+Every request carries ``X-Request-Id`` so its lines in the server log can be told apart; after
+an abort workload :func:`pool_after` reads the scheduler's idle line: every block back in the
+pool or not.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record
     record.update(arrival=time.perf_counter() - t0, first=None, last=None, tokens=0)
     conn.request("POST", url.path, json.dumps(body),
                  {"Content-Type": "application/json", "X-Request-Id": req_id})
+    sock = conn.sock  # the response may own it alone (Connection: close)
     resp = conn.getresponse()
     left = threading.Event()
 
@@ -57,7 +60,7 @@ def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record
         record.update(aborted=phase, compressions_at_abort=compressions(
             server.text()[log_from:], req_id), abort_at=time.perf_counter() - t0)
         left.set()
-        conn.sock.shutdown(socket.SHUT_RDWR)  # the reader below sees the connection end
+        sock.shutdown(socket.SHUT_RDWR)  # the reader below sees the connection end
 
     if phase == "prefill":
         def watch():
