@@ -32,10 +32,14 @@ IDLE_POOL = re.compile(r"kvprune_cuda: idle: \d+ blocks freed by compression in 
                        r"(\d+) blocks free in the pool")
 
 
-def compressions(log_text: str, req_id: str) -> int:
+def compressions(log_text: str, req_id: str, before: int = None) -> int:
     """How many kvprune compression lines the server log has for the request whose
-    ``X-Request-Id`` was ``req_id`` (vLLM's own id: ``cmpl-<req_id>-<index>-<suffix>``)."""
-    return len(re.findall(rf"kvprune_cuda: request cmpl-{re.escape(req_id)}-\S+ keeps", log_text))
+    ``X-Request-Id`` was ``req_id`` (vLLM's own id: ``cmpl-<req_id>-<index>-<suffix>``);
+    with ``before``, only those made before that many tokens were computed (a bounded
+    prefill's chunks, not the whole prompt's compression)."""
+    totals = re.findall(rf"kvprune_cuda: request cmpl-{re.escape(req_id)}-\S+ keeps \d+ of "
+                        r"(\d+) tokens", log_text)
+    return sum(before is None or int(t) < before for t in totals)
 
 
 def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record: dict,
@@ -44,7 +48,7 @@ def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record
     ignored) under ``X-Request-Id: req_id``; with ``phase`` (:data:`PHASES`) the client closes
     the connection there. ``record`` gets arrival, first and last token times (s after
     ``t0``), the text, the tokens received, and for an abort the phase and the request's
-    compressions in the log (past ``log_from``) when the client left."""
+    compressions in the log (past ``log_from``) when the client left. An HTTP error raises."""
     url = urllib.parse.urlsplit(server.url("/v1/completions"))
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=3600)
     body = {"model": "m", "prompt": ids, "max_tokens": gen, "temperature": 0,
@@ -54,21 +58,35 @@ def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record
                  {"Content-Type": "application/json", "X-Request-Id": req_id})
     sock = conn.sock  # the response may own it alone (Connection: close)
     resp = conn.getresponse()
-    left = threading.Event()
+    if resp.status != 200:
+        raise RuntimeError(f"{req_id}: HTTP {resp.status}: {resp.read()[:500]!r}")
+    lock, done = threading.Lock(), threading.Event()
 
-    def leave():
-        record.update(aborted=phase, compressions_at_abort=compressions(
-            server.text()[log_from:], req_id), abort_at=time.perf_counter() - t0)
-        left.set()
-        sock.shutdown(socket.SHUT_RDWR)  # the reader below sees the connection end
+    def leave(why) -> bool:
+        """Closes the connection once (the reader below sees it end) unless the request is
+        over or ``why()`` no longer holds; then notes the phase and the log's compressions."""
+        with lock:
+            if done.is_set() or not why():
+                return False
+            done.set()
+            record.update(aborted=phase, abort_at=time.perf_counter() - t0)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        record["compressions_at_abort"] = compressions(server.text()[log_from:], req_id)
+        return True
 
-    if phase == "prefill":
-        def watch():
-            while not left.is_set() and record["first"] is None:
-                if compressions(server.text()[log_from:], req_id) >= PREFILL_COMPRESSIONS:
-                    return leave()
-                time.sleep(0.5)
-        threading.Thread(target=watch, daemon=True).start()
+    def watch():  # "prefill": leave after the prompt's first bounded compressions
+        while not done.is_set():
+            if compressions(server.text()[log_from:], req_id, len(ids)) >= PREFILL_COMPRESSIONS \
+                    and leave(lambda: record["first"] is None):
+                return
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True) if phase == "prefill" else None
+    if watcher:
+        watcher.start()
     text = []
     try:
         for line in resp:
@@ -78,19 +96,25 @@ def streamed_request(server, ids: list, gen: int, req_id: str, t0: float, record
             event = json.loads(line[6:])
             if event["choices"] and event["choices"][0]["text"]:
                 now = time.perf_counter() - t0
-                record["first"] = now if record["first"] is None else record["first"]
-                record["last"] = now
-                record["tokens"] += 1
+                with lock:
+                    if done.is_set():
+                        break
+                    record["first"] = now if record["first"] is None else record["first"]
+                    record["last"] = now
+                    record["tokens"] += 1
                 text.append(event["choices"][0]["text"])
                 if (phase == "first" or phase == "decode" and record["tokens"] >= gen // 2) \
-                        and not left.is_set():
-                    leave()
+                        and leave(lambda: True):
                     break
     except (OSError, http.client.HTTPException):
-        if not left.is_set():
+        if "aborted" not in record:
             raise
     finally:
-        left.set()
+        with lock:
+            done.set()
+        if watcher:
+            watcher.join()
+        resp.close()
         conn.close()
     record["text"] = "".join(text)
 

@@ -64,18 +64,20 @@ def test_the_server_benchmark_reads_kvprune_s_own_timing_from_the_log():
 
 def test_the_abort_workload_reads_each_request_s_compressions_and_the_pool_from_the_log():
     """server_client on a hand-made log: request "x-1" compressed twice (once mid-prefill,
-    once at its prompt's end), "x-10" once (its id begins like x-1's); the last idle line
-    says whether every block came back."""
+    after 2048 tokens, once at its prompt's end, 4600), "x-10" once (its id begins like
+    x-1's); the last idle line says whether every block came back."""
     import server_client as sa
 
     line = ("(EngineCore pid=1) INFO 12-07 21:56:30 [scheduler.py:230] kvprune_cuda: request "
-            "cmpl-{}-0-9244408b keeps 1472 of 2048 tokens, 18 blocks freed (31 in all)")
+            "cmpl-{}-0-9244408b keeps 1472 of {} tokens, 18 blocks freed (31 in all)")
     idle = ("(EngineCore pid=1) INFO 12-07 21:58:00 [scheduler.py:242] kvprune_cuda: idle: 40 "
             "blocks freed by compression in all; {} of 290 blocks free in the pool; kvprune's "
             "own work took 0.1 s of 9.0 s of forwards since the last idle (1.11 %)")
-    log = "\n".join([line.format("x-1"), line.format("x-10"), line.format("x-1")])
+    log = "\n".join([line.format("x-1", 2048), line.format("x-10", 2048),
+                     line.format("x-1", 4600)])
     assert (sa.compressions(log, "x-1"), sa.compressions(log, "x-10"),
             sa.compressions(log, "x-2")) == (2, 1, 0)
+    assert (sa.compressions(log, "x-1", 4600), sa.compressions(log, "x-1", 2048)) == (1, 0)
 
     class Server:
         text = staticmethod(lambda: log + "\n" + idle.format(290) + "\n" + idle.format(287))
