@@ -29,7 +29,8 @@ def _expected_max(q, k, carried, far=0, novelty=None):
     attention got queries ``q`` and keys ``k``, by the reference, and the running maxima after
     it (``carried``: before). "far": each query scores the keys ``far`` or more positions
     before it (test_policy checks that rule by hand). ``novelty``: that share of the bound
-    goes first to each head's keys least aligned with its mean unit key, after pooling."""
+    goes first to each head's keys least aligned with its mean unit key (the sinks and the
+    window aside), after pooling."""
     fresh = _max_probability_by_hand(q, k, far).float()
     if carried is not None:
         fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]], carried)
@@ -38,7 +39,8 @@ def _expected_max(q, k, carried, far=0, novelty=None):
         unit = k.double() / k.double().norm(dim=-1, keepdim=True)
         mean = unit.mean(2, keepdim=True)
         cosine = (unit * mean).sum(-1) / mean.norm(dim=-1)  # [B, Hkv, n]
-        novel = (-cosine).topk(int(novelty * BOUND), -1).indices
+        cosine[..., :4] = cosine[..., -W:] = float("inf")  # the sinks and window: kept anyway
+        novel = (-cosine).topk(int(novelty * BOUND), -1).indices  # 20 <= 40 - 4 - 8
         pooled = pooled.clone()
         pooled.scatter_(-1, novel, pooled.gather(-1, novel) + 1)
     idx = ref.select_keep(pooled, BOUND, n_sink=4, window=W).long()

@@ -196,13 +196,15 @@ def test_the_prefill_bounds_far_signal_counts_the_queries_window_or_more_after_a
 
 def test_the_prefill_bounds_novelty_reserve_keeps_the_keys_unlike_their_head_first():
     """Keys 5 (against the others) and 7 (across them) are the most novel of a head whose keys
-    all point along e1; the running maxima favour keys 3 and 4. Kept by hand: the sink 0, the
-    window 10-11, then int(novelty x 5) novel keys, then the maxima."""
+    all point along e1 but for the sink 0 and the window's 11, as novel as 5 (kept anyway, so
+    not reserved); the running maxima favour keys 3 and 4. Kept by hand: the sink 0, the
+    window 10-11, then int(novelty x 5) novel keys (at most the 2 slots left), then the
+    maxima."""
     policy = kp.policy.make("snapkv", kp.policy.Options(n_sink=1, window=2, kernel_size=1))
     keys = torch.zeros(1, 1, 12, 4)
     keys[..., 0] = 1.0
     keys[0, 0, :, 1] = torch.linspace(-0.1, 0.1, 12)  # not all alike, none novel
-    keys[0, 0, 5] = torch.tensor([-1.0, 0.0, 0.0, 0.0])
+    keys[0, 0, 5] = keys[0, 0, 0] = keys[0, 0, 11] = torch.tensor([-1.0, 0.0, 0.0, 0.0])
     keys[0, 0, 7] = torch.tensor([0.0, 0.0, 1.0, 0.0])
     scores = torch.full((1, 1, 12), 0.01)
     scores[0, 0, 3], scores[0, 0, 4] = 0.5, 0.4
@@ -210,7 +212,7 @@ def test_the_prefill_bounds_novelty_reserve_keeps_the_keys_unlike_their_head_fir
         8, policy, "far", novelty).select(scores, 5, keys=keys)[0, 0].tolist()
     assert kept(None) == [0, 3, 4, 10, 11]
     assert kept(0.2) == [0, 3, 5, 10, 11]
-    assert kept(0.4) == [0, 5, 7, 10, 11]
+    assert kept(0.4) == kept(1.0) == [0, 5, 7, 10, 11]
     with pytest.raises(ValueError, match="keys: prefill_novelty"):
         kp.policy.make_prefill_bound(8, policy, "max", 0.5).select(scores, 5)
     with pytest.raises(ValueError, match="prefill_novelty: .*'window'"):

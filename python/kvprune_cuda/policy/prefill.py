@@ -13,7 +13,8 @@ from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda._ops import pool_scores, select_keep, window_scores
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.full import Full
-from kvprune_cuda.policy.novelty import reserve_novel
+from kvprune_cuda.policy.novelty import key_novelty
+from kvprune_cuda.policy.reserve import reserve_top
 
 # the evidence a chunk's compression can be given without the rest of the prompt: the keys,
 # and the last `window` queries seen so far (the current chunk's, and the chunks' before)
@@ -37,8 +38,9 @@ class PrefillBound:
     policy's pool (:meth:`select`); "far", the same over the queries at least ``window``
     positions after the key (:meth:`far`); "window", ``policy``'s own selection (snapkv: voted for by
     the last ``window`` queries of the prompt so far, pooled over neighbours in the held
-    order). ``novelty`` (a fraction, with "max" or "far"): that share of each compression's
-    kept tokens goes first, in every KV head, to the held keys most unlike the head's others
+    order). ``novelty`` (a fraction, with "max" or "far"): that share of each earlier chunk's
+    kept tokens (at most those left beside the sinks and the window) goes first, in every KV
+    head, to the held keys most unlike the head's others
     (:func:`~kvprune_cuda.policy.novelty.key_novelty`: a needle in prose that no later query
     looks at yet), the rest by the signal. The chunk that ends the prompt is compressed to the policy's budget of the whole
     prompt as an unbounded prefill is (from the tokens still held; nothing when they fit it).
@@ -127,20 +129,25 @@ class PrefillBound:
                keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int32 [B, Hkv, kept] ascending positions to keep by the carried ``scores`` (fp32
         [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window``, with
-        :attr:`novelty` the ``int(novelty * kept)`` most novel of the held ``keys`` [B, Hkv,
-        n, D] (needed then only), and the top pooled scores (the policy's pool, if it has
-        one; the reserve is raised after pooling, so it does not spread to neighbours)."""
+        :attr:`novelty` the ``int(novelty * kept)`` most novel of the other held ``keys``
+        [B, Hkv, n, D] (needed then only; at most the slots the sinks and window leave), and
+        the top pooled scores (the policy's pool, if it has one; the reserve is raised after
+        pooling, so it does not spread to neighbours)."""
         p = self.policy
         kernel = getattr(p, "kernel_size", 1)
         if kernel > 1:
             scores = pool_scores(scores.contiguous(), kernel, getattr(p, "pool", "max"),
                                  window=p.window, shift=getattr(p, "shift", 0))
+        first = max(p.n_sink, pinned)
         if self.novelty:
             if keys is None:
                 raise ValueError(f"keys: prefill_novelty = {self.novelty} ranks the held keys")
-            scores = reserve_novel(scores, keys, int(self.novelty * kept))
-        return select_keep(scores.contiguous(), kept, n_sink=max(p.n_sink, pinned),
-                           window=p.window)
+            novel = key_novelty(keys)  # the sinks and window are kept anyway: not reserved
+            n = novel.shape[-1]
+            novel[..., :first] = novel[..., max(first, n - p.window):] = float("-inf")
+            count = min(int(self.novelty * kept), kept - first - p.window, n - first - p.window)
+            scores = reserve_top(scores, novel, count)
+        return select_keep(scores.contiguous(), kept, n_sink=first, window=p.window)
 
 
 def make_prefill_bound(max_held: Optional[int], policy: Policy, signal: Optional[str] = None,
