@@ -16,6 +16,7 @@ setting, averaged over the prompts:
 * back-references: the fraction of generated 4-grams that first occurred more than
   ``max_held`` tokens earlier in the prompt + generation, i.e. in text the bounded cache no
   longer holds (for ``full``: measured with the smallest ``--max-held``);
+* looped: per prompt, where the generation locks into a loop (:func:`loop_onset`), if it does;
 * full ppl: the full model's perplexity of the generated tokens (one teacher-forced forward
   over prompt + generation with the full cache): how plausible the text is to the model
   that was not compressed (a loop reads as very likely, so read it beside distinct 4-grams).
@@ -31,6 +32,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -62,6 +64,23 @@ def back_references(context: list[int], generated: list[int], held: int, n: int 
     return hits / max(total, 1)
 
 
+def loop_onset(tokens: list[int], n: int = 4, span: int = 128, within: int = 200,
+               share: float = 0.9, step: int = 16) -> Optional[int]:
+    """Where ``tokens`` lock into a loop: the first position p (a multiple of ``step``) such
+    that at least ``share`` of the n-grams starting in ``[p, p + span)`` occurred within the
+    ``within`` tokens before them; None if they never do."""
+    last: dict = {}
+    repeat = []
+    for i in range(len(tokens) - n + 1):
+        g = tuple(tokens[i: i + n])
+        repeat.append(g in last and i - last[g] <= within)
+        last[g] = i
+    for p in range(0, len(repeat) - span + 1, step):
+        if sum(repeat[p: p + span]) >= share * span:
+            return p
+    return None
+
+
 def sample(model, prompt: list[int], gen: int, seed: int) -> tuple[list[int], int]:
     """(the ``gen`` sampled tokens, tokens layer 0 of the cache holds at the end)."""
     ids = torch.tensor([prompt])
@@ -85,13 +104,20 @@ def table(rows: list[dict], meta: dict) -> str:
     lines = [f"Machine: {meta['machine']}; commit {meta['commit']}; {meta['dtype']}; "
              f"{meta['prompts']} prompts of {meta['tokens']} tokens, {meta['gen']} sampled "
              f"each (temperature 1, EOS ignored), interval {meta['interval']}", "",
-             "| setting | distinct 4-grams | back-references | full ppl | KV held at the end (tokens) |",
-             "|---|---|---|---|---|"]
+             "| setting | distinct 4-grams | back-references | full ppl | KV held at the end (tokens) "
+             "| looped (onset, generated tokens) |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         m = lambda k: sum(r[k]) / len(r[k])  # noqa: E731
+        onsets = [loop_onset(t) for t in r["tokens"]]
+        looped = f"{sum(o is not None for o in onsets)}/{len(onsets)} (" + ", ".join(
+            "-" if o is None else str(o) for o in onsets) + ")"
         lines.append(f"| {r['setting']} | {m('distinct'):.3f} | {m('back'):.3f} | "
-                     f"{m('ppl'):.2f} | {m('held'):.0f} |")
-    return "\n".join(lines)
+                     f"{m('ppl'):.2f} | {m('held'):.0f} | {looped} |")
+    return "\n".join(lines) + (
+        "\n\nlooped: the prompts whose generation locks into a loop, and where: the first "
+        "position p (a multiple of 16) from which 90 % of the 4-grams of the next 128 tokens "
+        "repeat one of the 200 tokens before them (loop_onset).")
 
 
 SAME_RUN = ("prompts", "tokens", "gen", "interval", "dtype", "model", "seed")
@@ -129,7 +155,13 @@ def main(argv=None) -> dict:
                     help="keep the settings --out already holds from a run of the same "
                          "prompts, model and interval; run the others (the file is rewritten "
                          "after every setting)")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="only print the table of this result file")
     args = ap.parse_args(argv)
+    if args.table:
+        saved = json.loads(args.table.read_text())
+        print(table(saved["rows"], saved["meta"]))
+        return saved
     torch.set_num_threads(args.threads or common.threads())
     model, tok = common.load_model(args.dtype, args.model)
     prompts = make_prompts(tok, args.prompts, args.tokens, args.seed)

@@ -27,3 +27,19 @@ def test_resume_keeps_the_rows_of_the_same_run_and_refuses_another(tmp_path):
     assert efg._resumed(_args(out)) == rows
     with pytest.raises(ValueError, match="--resume: .* was run with gen=2048, this run has 700"):
         efg._resumed(_args(out, gen=700))
+
+
+def test_loop_onset_finds_where_a_generation_starts_repeating_itself():
+    """200 distinct tokens, then a 5-token phrase over and over: the 4-grams from 205 on
+    repeat one 5 tokens back (those starting at 197-204 are new), so the first 128-token
+    span at a multiple of 16 that is >= 90 % repeats starts at 208 (192's holds
+    (320 - 205) / 128 = 0.898). Distinct tokens alone, or a phrase that comes back only
+    more than 200 tokens later, never loop."""
+    distinct = list(range(1000, 1200))
+    assert efg.loop_onset(distinct + [1, 2, 3, 4, 5] * 60) == 208
+    assert efg.loop_onset(list(range(2000))) is None
+    far_apart = (list(range(10, 260)) + [1, 2, 3, 4, 5]) * 6  # each repeat 255 tokens later
+    assert efg.loop_onset(far_apart) is None
+    # one token over and over: repeats from 201 (200's four sevens are new), so 192's span
+    # holds (320 - 201) / 128 = 0.93 and 176's (304 - 201) / 128 = 0.80
+    assert efg.loop_onset(distinct + [7] * 300) == 192
