@@ -17,9 +17,15 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
     return -(unit * anchor).sum(-1)
 
 
-def reserve_novel(scores: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
+def reserve_novel(scores: torch.Tensor, keys: torch.Tensor, count: int, first: int = 0,
+                  last: int = 0) -> torch.Tensor:
     """``scores`` (fp32 [B, Hkv, n]) with the ``count`` most novel keys of every (row, head) of
-    ``keys`` [B, Hkv, n, D] raised by 1 (:func:`reserve_top`)."""
+    ``keys`` [B, Hkv, n, D] raised by 1 (:func:`reserve_top`), none of the first ``first`` or
+    the last ``last`` positions (a selection keeps those anyway; ``count`` is capped at the
+    others)."""
     if count <= 0:
         return scores
-    return reserve_top(scores, key_novelty(keys), count)
+    novel = key_novelty(keys)
+    n = novel.shape[-1]
+    novel[..., :first] = novel[..., max(first, n - last):] = float("-inf")
+    return reserve_top(scores, novel, min(count, n - first - last))

@@ -13,8 +13,7 @@ from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda._ops import pool_scores, select_keep, window_scores
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.full import Full
-from kvprune_cuda.policy.novelty import key_novelty
-from kvprune_cuda.policy.reserve import reserve_top
+from kvprune_cuda.policy.novelty import reserve_novel
 
 # the evidence a chunk's compression can be given without the rest of the prompt: the keys,
 # and the last `window` queries seen so far (the current chunk's, and the chunks' before)
@@ -142,11 +141,8 @@ class PrefillBound:
         if self.novelty:
             if keys is None:
                 raise ValueError(f"keys: prefill_novelty = {self.novelty} ranks the held keys")
-            novel = key_novelty(keys)  # the sinks and window are kept anyway: not reserved
-            n = novel.shape[-1]
-            novel[..., :first] = novel[..., max(first, n - p.window):] = float("-inf")
-            count = min(int(self.novelty * kept), kept - first - p.window, n - first - p.window)
-            scores = reserve_top(scores, novel, count)
+            scores = reserve_novel(scores, keys, min(int(self.novelty * kept),
+                                                     kept - first - p.window), first, p.window)
         return select_keep(scores.contiguous(), kept, n_sink=first, window=p.window)
 
 
