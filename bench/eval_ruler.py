@@ -35,7 +35,10 @@ as ``ruler_tasks.prompt_ids`` does):
   snapkv-aware-bounded-window by the policy's own selection by the last window queries
   (``prefill_signal="window"``); snapkv-aware-bounded-far-novel by "far" with half of each
   compression's kept tokens going first to each head's most novel keys
-  (``prefill_novelty=0.5``).
+  (``prefill_novelty=0.5``); snapkv-aware-bounded-recon by KVzip+'s maxima from a forward
+  that repeats each chunk after it (``prefill_signal="reconstruct"``, the sample's tokenizer's
+  repeat prompt; a second pass over the prompt), -recon-novel with a quarter of each
+  compression's kept tokens going first to the most novel keys.
 * kvpress 0.5.5 (kvpress-snapkv / -streaming / -kvzip / -expected / -keydiff: ``SnapKVPress``,
   ``StreamingLLMPress``, ``KVzipPress``, ``ExpectedAttentionPress``, ``KeyDiffPress``: each key's
   cosine distance from its head's mean key): as kvpress's own pipeline
@@ -120,6 +123,8 @@ SETTINGS = {
     "snapkv-aware-bounded-far": ("bounded", "snapkv", ("far", 0.0)),
     "snapkv-aware-bounded-window": ("bounded", "snapkv", ("window", 0.0)),
     "snapkv-aware-bounded-far-novel": ("bounded", "snapkv", ("far", 0.5)),
+    "snapkv-aware-bounded-recon": ("bounded", "snapkv", ("reconstruct", 0.0)),
+    "snapkv-aware-bounded-recon-novel": ("bounded", "snapkv", ("reconstruct", 0.25)),
     "snapkv-agnostic": ("agnostic", "snapkv", "layer"),
     "h2o-agnostic": ("agnostic", "h2o", "layer"),
     "kvpress-snapkv": ("kvpress", "SnapKVPress", None),
@@ -397,9 +402,10 @@ def _bounded(model, tok, prompt, refs, policy, frac, args, max_new, signal: str,
     ids = prompt[:, :-1]
     budget = kp.hf.resolve_budget(frac, ids.shape[1])
     bound = int(args.prefill_held * budget)
+    repeat = kp.hf.RepeatPrompt.from_tokenizer(tok) if signal == "reconstruct" else None
     comp = kp.hf.KVCompressor(model, policy, frac, prefill_max_held=bound,
                               prefill_chunk=args.prefill_chunk, prefill_signal=signal,
-                              prefill_novelty=novelty)
+                              prefill_novelty=novelty, repeat_prompt=repeat)
     cache = DynamicCache()
     comp.attach()
     try:

@@ -92,11 +92,12 @@ def test_budget_above_prompt_equals_plain(model, gen, policy):
 
 
 @contextlib.contextmanager
-def _eager_capture(model):
+def _eager_capture(model, values=False):
     """Runs ``model`` with eager attention and records, per layer and call, what each attention
     module hands to its attention function: ``(query [B,Hq,q,D], key [B,Hkv,L,D], weights
     [B,Hq,q,L])`` -- the module's own post-RoPE (and post-q_norm) queries, the cache it attends
-    over (after the update, before any eviction) and its softmax weights. Independent of hf.py.
+    over (after the update, before any eviction) and its softmax weights; with ``values``, the
+    cache's values [B,Hkv,L,D] too (a fourth element). Independent of hf.py.
     """
     mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
     eager = mod.eager_attention_forward
@@ -105,7 +106,8 @@ def _eager_capture(model):
     def capture(module, query, key, value, attention_mask, *args, **kwargs):
         out, weights = eager(module, query, key, value, attention_mask, *args, **kwargs)
         calls.setdefault(module.layer_idx, []).append(
-            (query.detach().clone(), key.detach().clone(), weights.detach().double()))
+            (query.detach().clone(), key.detach().clone(), weights.detach().double())
+            + ((value.detach().clone(),) if values else ()))
         return out, weights
 
     impl = model.config._attn_implementation

@@ -17,7 +17,8 @@ import kvprune_cuda as kp  # noqa: E402
 from kvprune_cuda import hf  # noqa: E402
 from kvprune_cuda import reference as ref  # noqa: E402
 
-from test_hf import N_LAYERS, _eager_capture, _gen, _ids, model  # noqa: E402,F401
+from test_hf import D, HKV, N_LAYERS, _eager_capture, _gen, _ids, model  # noqa: E402,F401
+from test_hf_context import PROMPT, _attention_inputs, _output_weights  # noqa: E402
 from test_policy import _max_probability_by_hand  # noqa: E402
 
 N, CHUNK, BOUND, BUDGET, W = 196, 48, 40, 24, 8  # the last chunk (4) is shorter than W
@@ -87,15 +88,64 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
             torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)
 
 
-def test_layer_zero_holds_its_keys_at_their_original_positions(model, gen):
+def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(model, gen):
+    """"reconstruct": after each chunk but the last, one forward repeats the chunk (the repeat
+    prompt, then the chunk's ids), and the layer keeps what the reference selects by the
+    running maximum of KVzip+'s scores: each chunk key's largest eager attention weight from
+    the repetition's queries, renormalised over the sinks, the chunk and the repetition,
+    times its value's output norm over the query's input norm (test_hf_context's oracle);
+    the repetition's own keys are gone before the next chunk; the peak holds one repetition."""
+    ids = _ids(gen, 1, N)
+    cache = transformers.DynamicCache()
+    with _eager_capture(model, values=True) as calls, _attention_inputs(model) as inputs, \
+            torch.no_grad():
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            prefill_chunk=CHUNK, prefill_signal="reconstruct",
+                            repeat_prompt=PROMPT) as comp:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    # the repetitions: 3 + 2 + 48 (the first), 2 + 8 + 2 + 48 (the next, quoting 8 tokens)
+    assert comp.peak_held == BOUND + CHUNK + 60 == comp.prefill_bound.peak(
+        CHUNK, repeat=PROMPT.extra_tokens()) == 148
+    assert (comp.prompt_len, comp.compressed_len) == (N, BUDGET)
+    for i in range(N_LAYERS):
+        assert [c[1].shape[2] for c in calls[i]] == [48, 101, 88, 148, 88, 148, 88, 148, 44]
+        chunks, repeats = calls[i][0::2], calls[i][1::2]
+        carried = None
+        for j, (rq, rk, rw, rv) in enumerate(repeats):
+            n = chunks[j][1].shape[2]
+            start, pos = n - CHUNK, torch.arange(rk.shape[2])
+            assert torch.equal(rk[:, :, :n], chunks[j][1])  # the repetition attends over the held
+            w = rw * ((pos < 4) | (pos >= start))  # the sinks, the chunk, the repetition
+            w = (w / w.sum(-1, keepdim=True))[..., :n]
+            per_key, per_query = _output_weights(model, rv[:, :, :n], i, inputs[i][2 * j + 1])
+            w = w * per_key[:, :, None, :] * per_query[:, None, :, None]
+            fresh = w.amax(2).view(1, HKV, -1, n).amax(2)  # over queries, then the KV group
+            fresh[..., :start] = 0
+            if carried is not None:
+                fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]],
+                                                               carried)
+            pooled = ref.pool_scores(fresh.float(), 5, "max", window=W, shift=2)
+            idx = ref.select_keep(pooled, BOUND, n_sink=4, window=W).long()
+            carried = fresh.gather(2, idx)
+            exp_k = torch.gather(chunks[j][1], 2, idx[..., None].expand(-1, -1, -1, D))
+            torch.testing.assert_close(chunks[j + 1][1][:, :, :BOUND], exp_k, rtol=0, atol=0)
+        window = torch.cat([c[0] for c in chunks], 2)[:, :, N - W:]  # the prompt's, not a repetition's
+        exp_k = ref.snapkv(window, chunks[-1][1], chunks[-1][1], BUDGET, **OPTS)[0]
+        torch.testing.assert_close(hf.cache_kv(cache, i)[0], exp_k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("signal", ["max", "reconstruct"])
+def test_layer_zero_holds_its_keys_at_their_original_positions(model, gen, signal):
     """Layer 0's keys depend on the token and its position only: every key the bounded
-    prefill holds is the full prefill's key of some position, the sinks at 0..3 in order."""
+    prefill holds is the full prefill's key of some position, the sinks at 0..3 in order
+    (none of a repetition's: those come after the prompt's positions)."""
     ids = _ids(gen, 1, N)
     full, cache = transformers.DynamicCache(), transformers.DynamicCache()
     with torch.no_grad():
         model(input_ids=ids, past_key_values=full, use_cache=True)
         with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
-                            prefill_chunk=CHUNK):
+                            prefill_chunk=CHUNK, prefill_signal=signal,
+                            repeat_prompt=PROMPT if signal == "reconstruct" else None):
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     fk, k = hf.cache_kv(full, 0)[0][0], hf.cache_kv(cache, 0)[0][0]  # [Hkv, n, D], [Hkv, 24, D]
     for h in range(k.shape[0]):
@@ -174,3 +224,12 @@ def test_bad_bounded_prefill_arguments(model, gen):
     with kp.hf.compress(model, "snapkv", BUDGET, **OPTS):  # what the unbounded compressor gives
         assert torch.equal(short, _gen(model, ids[:1, :CHUNK], n=4))
     assert "forward" not in model.model.__dict__  # detached: the class's forward again
+    with pytest.raises(ValueError, match="repeat_prompt: only a bounded prefill with "
+                                         "prefill_signal='reconstruct'"):
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            repeat_prompt=PROMPT):
+            pass
+    with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                        prefill_chunk=CHUNK, prefill_signal="reconstruct", repeat_prompt=PROMPT):
+        with pytest.raises(ValueError, match="inputs_embeds: prefill_signal 'reconstruct'"):
+            model(inputs_embeds=model.model.embed_tokens(ids[:1]))

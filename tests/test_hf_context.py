@@ -71,11 +71,12 @@ def _attention_inputs(model):
             h.remove()
 
 
-def _output_weights(model, full, layer, hs):
-    """KVzip+'s weights, in float64 from the model's o_proj and the full cache's values: per
-    query head and context key ``||W_O[:, head] v||`` [B, Hq, n], per query ``1 / ||h||`` [B, r]."""
+def _output_weights(model, values, layer, hs):
+    """KVzip+'s weights, in float64 from the model's o_proj and the context's ``values``
+    [B, Hkv, n, D] in ``layer``: per query head and context key ``||W_O[:, head] v||``
+    [B, Hq, n], per query ``1 / ||h||`` [B, r] of the attention inputs ``hs`` [B, r, hidden]."""
     o = model.model.layers[layer].self_attn.o_proj.weight.detach().double()
-    v = full.layers[layer].values.double()                       # [B, Hkv, n, D]
+    v = values.double()                                          # [B, Hkv, n, D]
     norms = torch.stack([(v[:, h // (HQ // HKV)] @ o[:, h * D:(h + 1) * D].T).norm(dim=-1)
                          for h in range(HQ)], 1)
     return norms, 1.0 / hs.norm(dim=-1)
@@ -113,7 +114,7 @@ def _kvzip_reference(model, ctx, prompt, chunk_size, gqa="max", softmax="chunk",
             if context_only:
                 w = w / w.sum(-1, keepdim=True)
             if weight == "output":
-                per_key, per_query = _output_weights(model, full, i, inputs[i][0])
+                per_key, per_query = _output_weights(model, full.layers[i].values, i, inputs[i][0])
                 w = w * per_key[:, :, None, :] * per_query[:, None, :, None]
             per_head = w.amax(2).view(b, HKV, HQ // HKV, n)             # max over queries
             s = per_head.amax(2) if gqa == "max" else per_head.mean(2)  # over the group

@@ -192,6 +192,11 @@ def test_the_prefill_bounds_far_signal_counts_the_queries_window_or_more_after_a
     torch.testing.assert_close(far.scores(q, k[:, :, :8]).double(),
                                _max_probability_by_hand(q, k[:, :, :8], 3))
     assert not kp.policy.make_prefill_bound(8, policy, "window").carries
+    recon = kp.policy.make_prefill_bound(8, policy, "reconstruct")
+    assert (recon.carries, recon.in_forward, far.in_forward) == (True, False, True)
+    # held after a chunk of 4, plus its repetition (4 tokens and 3 of prompt); 8 + 4 otherwise
+    assert (recon.peak(4, repeat=3), far.peak(4, repeat=3)) == (8 + 4 + 4 + 3, 8 + 4)
+    assert recon.scorer == kp.policy.KVzip(n_sink=2)  # KVzip+'s chunk softmax, the sinks
 
 
 def test_the_prefill_bounds_novelty_reserve_keeps_the_keys_unlike_their_head_first():

@@ -239,6 +239,12 @@ def test_the_prefill_bound_reaches_the_engine_and_the_server():
                             prefill_novelty=0.5)
     with pytest.raises(ValueError, match="prefill_novelty: given without prefill_max_held"):
         kp.vllm.engine_args("snapkv", 0.16, prefill_novelty=0.5)
+    with pytest.raises(ValueError, match="prefill_signal: 'reconstruct' .*vLLM's scheduler"):
+        kp.vllm.engine_args("snapkv", 0.16, prefill_max_held=64, prefill_signal="reconstruct")
+    hand_made = {config.CONFIG_KEY: {**novel["additional_config"][config.CONFIG_KEY],
+                                     "prefill_signal": "reconstruct"}}  # around engine_args
+    with pytest.raises(ValueError, match="prefill_signal: 'reconstruct'"):
+        config.prefill_from_vllm_config(type("Cfg", (), {"additional_config": hand_made}))
 
 
 def test_a_bounded_prefill_compresses_each_earlier_chunk_over_the_bound():

@@ -26,7 +26,8 @@ from kvprune_cuda.hf.fixed_layer import FixedCapacityLayer
 from kvprune_cuda.hf.hooks import KVCompressor
 from kvprune_cuda.hf.memory import layer_tensors, tensor_bytes
 from kvprune_cuda.hf.ragged_layer import RaggedLayer
-from kvprune_cuda.hf.reconstruct import RepeatPrompt, reconstruction_forwards, score_reconstruction
+from kvprune_cuda.hf.reconstruct import (RepeatPrompt, model_tokenizer, reconstruction_forwards,
+                                         score_reconstruction)
 from kvprune_cuda.hf.scoring import MASKED
 
 
@@ -321,7 +322,7 @@ def score_context(model, context_ids: torch.Tensor,
     prompt = None
     if kvzip is not None:
         prompt = repeat_prompt or RepeatPrompt.from_tokenizer(
-            tokenizer or _model_tokenizer(model), context_ids)
+            tokenizer or model_tokenizer(model), context_ids)
     comp = KVCompressor(model, scored[0], compress_on_prefill=False, observe=scored[1:])
     cache = new_dynamic_cache()
     comp.attach()
@@ -378,14 +379,3 @@ def _mean(per_head: list) -> Union[int, float]:
     """The mean of a ``[B][Hkv]`` list of counts: an int when they are all equal."""
     flat = [x for row in per_head for x in row]
     return flat[0] if len(set(flat)) == 1 else sum(flat) / len(flat)
-
-
-def _model_tokenizer(model):
-    from transformers import AutoTokenizer
-
-    path = getattr(model.config, "name_or_path", None)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"tokenizer: kvzip builds its repeat prompt with the model's tokenizer; "
-                         f"pass tokenizer= or repeat_prompt= (loading {path!r} failed: {e})") from e

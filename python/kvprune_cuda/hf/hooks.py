@@ -20,7 +20,9 @@ longer than ``prefill_chunk`` tokens on an empty cache is prefilled in chunks (t
 forward runs once per chunk, each chunk a forward on the cache the chunks before left) and
 after each chunk a layer holding more than ``prefill_max_held`` tokens is compressed back to
 it, so the prefill's peak stays bounded whatever the prompt's length (a later long forward on
-a cache already holding tokens is not split). Only ``DynamicCache``
+a cache already holding tokens is not split). With the "reconstruct" signal a forward repeats
+each chunk but the last after it (KVzip's reconstruction; its own keys dropped again) and the
+compression follows it. Only ``DynamicCache``
 (the default) with eager or SDPA attention is supported.
 """
 
@@ -40,6 +42,7 @@ from kvprune_cuda.hf._compat import (cache_arg, cache_kv, cache_name, new_dynami
                                      takes_cache_position)
 from kvprune_cuda.hf.decode_step import decode_step
 from kvprune_cuda.hf.memory import tensor_bytes
+from kvprune_cuda.hf.reconstruct import RepeatPrompt, model_tokenizer, repeat_chunk, score_reconstruction
 from kvprune_cuda.hf.scoring import FIXED, LayerState
 
 
@@ -55,7 +58,9 @@ class KVCompressor:
     ways. ``compress_on_prefill=False`` only records (kvzip always: its scores need the
     reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
     ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`), ``prefill_signal``,
-    ``prefill_novelty``: the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`).
+    ``prefill_novelty``: the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`);
+    ``repeat_prompt``: the "reconstruct" signal's (None: built from the model's tokenizer when
+    the first chunk is repeated).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
@@ -71,7 +76,7 @@ class KVCompressor:
                  max_held: Optional[int] = None, interval: Optional[int] = None,
                  prefill_max_held: Optional[int] = None, prefill_chunk: Optional[int] = None,
                  prefill_signal: Optional[str] = None, prefill_novelty: Optional[float] = None,
-                 **option_fields) -> None:
+                 repeat_prompt: Optional[RepeatPrompt] = None, **option_fields) -> None:
         if option_fields:  # n_sink=..., window=...: an Options' fields given one by one
             options = dataclasses.replace(options or policies.Options(), **option_fields)
         self.policy = policies.make(policy, options, budget=budget)
@@ -92,6 +97,11 @@ class KVCompressor:
         if self.prefill_bound is not None and not compress_on_prefill:
             raise ValueError("prefill_max_held: bounds a prefill that compresses "
                              "(compress_on_prefill=True)")
+        if repeat_prompt is not None and (self.prefill_bound is None
+                                          or self.prefill_bound.signal != "reconstruct"):
+            raise ValueError("repeat_prompt: only a bounded prefill with prefill_signal="
+                             "'reconstruct' repeats the prompt")
+        self.repeat_prompt = repeat_prompt  # "reconstruct": None until the first chunk needs it
         self.observed = [self.policy, *observe]
         self.model = model
         self.compress_on_prefill = compress_on_prefill
@@ -223,6 +233,10 @@ class KVCompressor:
         if per_token:  # not split by this code: refused rather than given whole to each chunk
             raise ValueError(f"{per_token[0]}: a bounded prefill (prefill_max_held) splits "
                              "input_ids / inputs_embeds, attention_mask and positions only")
+        repeats = self.prefill_bound.signal == "reconstruct"
+        if repeats and name != "input_ids":
+            raise ValueError("inputs_embeds: prefill_signal 'reconstruct' repeats the prompt's "
+                             "token ids; pass input_ids")
         if cache_arg(kwargs) is None:
             kwargs[cache_name(self.base)] = new_dynamic_cache()
         self._prompt_end = n
@@ -234,15 +248,42 @@ class KVCompressor:
                 if isinstance(mask, torch.Tensor):
                     part["attention_mask"] = mask[..., :end]
                 out = self.base(**part)
+                if repeats and end < n:
+                    self._repeat_chunk(cache_arg(kwargs), x[:, start:end],
+                                       x[:, :start] if start else None)
         finally:
             self._prompt_end = None
         return out
+
+    def _repeat_chunk(self, cache, piece: torch.Tensor, prev: Optional[torch.Tensor]) -> None:
+        """The "reconstruct" signal after a chunk ``piece`` [B, c] of token ids (after ``prev``,
+        the prompt before it; None: the first): one forward repeats the chunk on the cache,
+        whose KVzip maxima over the chunk's keys (``prefill_bound.scorer``) join the held keys'
+        running maxima; its own keys are dropped; then every layer holding more than the
+        bound's target is compressed to it."""
+        bound = self.prefill_bound
+        if self.repeat_prompt is None:
+            self.repeat_prompt = RepeatPrompt.from_tokenizer(model_tokenizer(self.model))
+        ids, n = self.repeat_prompt.chunk_input(piece, prev), cache.get_seq_length()
+
+        def forwards():
+            yield n - piece.shape[1], n  # the chunk's keys: the last the layers hold
+            repeat_chunk(self.base, cache, ids, n)
+
+        score_reconstruction(self, forwards, bound.scorer, n)
+        for i, st in enumerate(self.layers):
+            st.bound, st.kvzip = bound.carry(st.bound, st.kvzip), None
+            k, _ = cache_kv(cache, i)
+            kept = bound.compresses(k.shape[2])
+            if kept is not None:
+                select.keep_positions(st, cache, i, bound.select(st.bound, kept, keys=k))
 
     def _bounded_chunk(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
         """After a bounded prefill's chunk ``hs`` [B, q, hidden] in layer ``i``: the prompt's
         compression after its last chunk, else the bound's (the recorded window queries stay,
         for the next chunk's to join); with a "max" or "far" signal every chunk's queries first
-        raise the held keys' running maxima (``st.bound``)."""
+        raise the held keys' running maxima (``st.bound``); "reconstruct" compresses after the
+        chunk's repetition (:meth:`_repeat_chunk`)."""
         end = self.seen + hs.shape[1]
         if end == self._prompt_end:
             kept = self.policy.kept_tokens(end)
@@ -250,8 +291,10 @@ class KVCompressor:
             self.prompt_len = end
             return
         bound = self.prefill_bound
+        if bound.signal == "reconstruct":
+            return
         k, v = cache_kv(cache, i)
-        if bound.carries:
+        if bound.in_forward:
             cos, sin = kwargs["position_embeddings"]
             qn = scoring.post_rope_queries(module, hs, cos, sin).to(k.dtype)
             st.bound = bound.carry(st.bound, bound.scores(qn, k, getattr(module, "scaling", None)))
@@ -476,7 +519,8 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
              interval: Optional[int] = None, prefill_max_held: Optional[int] = None,
              prefill_chunk: Optional[int] = None,
              prefill_signal: Optional[str] = None,
-             prefill_novelty: Optional[float] = None) -> Iterator[KVCompressor]:
+             prefill_novelty: Optional[float] = None, tokenizer=None,
+             repeat_prompt: Optional[RepeatPrompt] = None) -> Iterator[KVCompressor]:
     """Within the block, ``model`` compresses its KV cache after each prefill to ``budget``
     tokens per layer (a fraction of the prompt in (0, 1] or a count; at least
     ``n_sink + window``) under ``policy`` ("full", "streaming", "snapkv", "h2o", or a
@@ -489,16 +533,21 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     more than ``prefill_max_held + prefill_chunk`` tokens, the held tokens ranked by
     ``prefill_signal`` ("max", the default: each key's largest attention from any prompt query
     so far; "far": from the queries at least ``window`` positions after it; "window": the
-    policy's own selection), ``prefill_novelty`` of each compression's kept tokens going first
+    policy's own selection; "reconstruct": KVzip's maxima from a forward that repeats each
+    chunk after it, a second pass over the prompt, with ``repeat_prompt`` or one built from
+    ``tokenizer`` (else the model's own; :class:`RepeatPrompt`), holding a chunk's repetition
+    besides), ``prefill_novelty`` of each compression's kept tokens going first
     to each head's most novel keys (default 0) (:class:`kvprune_cuda.policy.PrefillBound`;
     rows without padding; the split forward returns the last chunk's hidden states). Yields the :class:`KVCompressor` (``prompt_len``, ``compressed_len``,
     ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
+    if tokenizer is not None and repeat_prompt is None:
+        repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
                         interval=interval, prefill_max_held=prefill_max_held,
                         prefill_chunk=prefill_chunk, prefill_signal=prefill_signal,
-                        prefill_novelty=prefill_novelty).attach()
+                        prefill_novelty=prefill_novelty, repeat_prompt=repeat_prompt).attach()
     try:
         yield comp
     finally:

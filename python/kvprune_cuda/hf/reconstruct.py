@@ -71,16 +71,26 @@ class RepeatPrompt:
         if self.skip >= n:
             raise ValueError(f"repeat_prompt: skip = {self.skip} leaves none of the {n} context "
                              "tokens to reconstruct")
-        dev, b = context_ids.device, context_ids.shape[0]
-        row = lambda xs: torch.tensor(list(xs), dtype=context_ids.dtype, device=dev).expand(b, -1)  # noqa: E731
         out, prev = [], None
         for s, e in self.spans(n, chunk_size):
             piece = context_ids[:, s:e]
-            head = row(self.first) if prev is None else torch.cat(
-                [row(self.next), prev[:, max(prev.shape[1] - self.overlap, 0):]], 1)
-            out.append(torch.cat([head, row(self.suffix), piece], 1))
+            out.append(self.chunk_input(piece, prev))
             prev = piece
         return out
+
+    def chunk_input(self, piece: torch.Tensor, prev: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B, r]: the reconstruction input of the chunk ``piece`` [B, c] of token ids that
+        follows ``prev`` [B, p] (its last ``overlap`` tokens are quoted; None: the first
+        chunk)."""
+        row = lambda xs: torch.tensor(list(xs), dtype=piece.dtype,  # noqa: E731
+                                      device=piece.device).expand(piece.shape[0], -1)
+        head = row(self.first) if prev is None else torch.cat(
+            [row(self.next), prev[:, max(prev.shape[1] - self.overlap, 0):]], 1)
+        return torch.cat([head, row(self.suffix), piece], 1)
+
+    def extra_tokens(self) -> int:
+        """The most tokens a chunk's reconstruction input has beyond the chunk's own."""
+        return max(len(self.first), len(self.next) + self.overlap) + len(self.suffix)
 
 
 def reconstruction_forwards(base, cache, prompt: RepeatPrompt, context_ids: torch.Tensor,
@@ -95,12 +105,18 @@ def reconstruction_forwards(base, cache, prompt: RepeatPrompt, context_ids: torc
     chunks = prompt.chunks(context_ids, chunk_size)
     for c, (ids, span) in enumerate(zip(chunks, prompt.spans(n, chunk_size))):
         yield span
-        base(input_ids=ids, use_cache=True, **{cache_name(base): cache})
-        last = c == len(chunks) - 1
-        for i in range(num_layers(cache)):
-            k, v = cache_kv(cache, i)
-            k, v = k[:, :, :n], v[:, :, :n]
-            set_cache_kv(cache, i, k.clone() if last else k, v.clone() if last else v)
+        repeat_chunk(base, cache, ids, n, copy=c == len(chunks) - 1)
+
+
+def repeat_chunk(base, cache, ids: torch.Tensor, n: int, copy: bool = False) -> None:
+    """One reconstruction forward of ``ids`` [B, r] through ``base`` on ``cache``, then every
+    layer cropped back to its first ``n`` tokens (``copy``: copied out of the buffer that also
+    held the reconstruction's, which the cache would otherwise keep alive)."""
+    base(input_ids=ids, use_cache=True, **{cache_name(base): cache})
+    for i in range(num_layers(cache)):
+        k, v = cache_kv(cache, i)
+        k, v = k[:, :, :n], v[:, :, :n]
+        set_cache_kv(cache, i, k.clone() if copy else k, v.clone() if copy else v)
 
 
 class ReconstructionScorer:
@@ -143,9 +159,10 @@ def output_weights(module, hs: torch.Tensor, values: torch.Tensor) -> tuple[torc
 
 
 def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, int]]],
-                         kvzip: Optional["policies.KVzip"] = None) -> None:
-    """KVzip scoring of the uncompressed context that the cache of ``comp`` (an attached
-    :class:`~kvprune_cuda.hf.KVCompressor`) holds (``comp.seen`` tokens): ``forward_chunks()``
+                         kvzip: Optional["policies.KVzip"] = None, n: Optional[int] = None) -> None:
+    """KVzip scoring of the context that the cache of ``comp`` (an attached
+    :class:`~kvprune_cuda.hf.KVCompressor`) holds (``n`` tokens, without padding; None:
+    ``comp.seen``, uncompressed): ``forward_chunks()``
     is a generator that runs the teacher-forced reconstruction forwards, yielding before each
     the span ``(start, end)`` of the context positions it reconstructs, and crops the cache
     back to the context after each (:func:`reconstruction_forwards`). Per layer, each context
@@ -156,7 +173,7 @@ def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, 
     kvzip = kvzip or comp.policy
     if not isinstance(kvzip, policies.KVzip):
         raise ValueError(f"kvzip: expected a kp.policy.KVzip, got {kvzip!r}")
-    n = comp.seen
+    n = comp.seen if n is None else n
     if left_padding(comp.prefill_valid, n) is not None:
         raise ValueError("context_ids: kvzip scoring needs rows without padding")
     snap = comp.snapshot()
@@ -172,3 +189,16 @@ def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, 
         comp.restore(snap)
     for st, s in zip(comp.layers, scores):
         st.kvzip = s
+
+
+def model_tokenizer(model):
+    """The tokenizer at ``model.config.name_or_path`` (kvzip's repeat prompt, when no
+    tokenizer or prompt is given)."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model.config, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"tokenizer: kvzip builds its repeat prompt with the model's tokenizer; "
+                         f"pass tokenizer= or repeat_prompt= (loading {path!r} failed: {e})") from e

@@ -13,6 +13,7 @@ from kvprune_cuda._args import check_fraction, check_int, check_str
 from kvprune_cuda._ops import pool_scores, select_keep, window_scores
 from kvprune_cuda.policy.base import Policy
 from kvprune_cuda.policy.full import Full
+from kvprune_cuda.policy.kvzip import KVzip
 from kvprune_cuda.policy.novelty import reserve_novel
 
 # the evidence a chunk's compression can be given without the rest of the prompt: the keys,
@@ -22,8 +23,10 @@ BOUNDED_EVIDENCE = ("none", "window_queries")
 # probability from any query of the prompt so far (a running maximum, KVzip-style maxima over
 # the prompt's own forward); "far", the same from the queries at least `window` positions
 # after the key (a local head's look at its neighbours does not count); "window", the
-# policy's own selection by the last window queries
-SIGNALS = ("max", "far", "window")
+# policy's own selection by the last window queries; "reconstruct", KVzip's maxima from a
+# forward that repeats each chunk after it (kp.hf only: a forward an engine does not plan)
+SIGNALS = ("max", "far", "window", "reconstruct")
+IN_FORWARD = ("max", "far")  # the signals the prompt's own forward gives (kp.vllm runs these)
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,16 @@ class PrefillBound:
     policy's pool (:meth:`select`); "far", the same over the queries at least ``window``
     positions after the key (:meth:`far`); "window", ``policy``'s own selection (snapkv: voted for by
     the last ``window`` queries of the prompt so far, pooled over neighbours in the held
-    order). ``novelty`` (a fraction, with "max" or "far"): that share of each earlier chunk's
+    order); "reconstruct", each key's largest attention probability from a forward that
+    repeats the key's chunk right after it (KVzip's reconstruction maxima, :attr:`scorer`;
+    kp.hf only). ``novelty`` (a fraction, with "max", "far" or "reconstruct"): that share of each earlier chunk's
     kept tokens (at most those left beside the sinks and the window) goes first, in every KV
     head, to the held keys most unlike the head's others
     (:func:`~kvprune_cuda.policy.novelty.key_novelty`: a needle in prose that no later query
     looks at yet), the rest by the signal. The chunk that ends the prompt is compressed to the policy's budget of the whole
     prompt as an unbounded prefill is (from the tokens still held; nothing when they fit it).
-    So a request never holds more than ``target + chunk`` tokens while it prefills. Positions
+    So a request never holds more than ``target + chunk`` tokens while it prefills (with
+    "reconstruct", a chunk's repetition too: :meth:`peak`). Positions
     are never changed (kept keys keep their rotation)."""
 
     policy: Policy
@@ -58,7 +64,7 @@ class PrefillBound:
         if self.novelty and not self.carries:
             raise ValueError(f"prefill_novelty: reserves keys beside the running maxima; "
                              f"prefill_signal {self.signal!r} ranks by the policy's own "
-                             "selection (use 'max' or 'far')")
+                             "selection (use 'max', 'far' or 'reconstruct')")
         p = self.policy
         if isinstance(p, Full) or p.fixed_capacity or p.evidence not in BOUNDED_EVIDENCE:
             why = ("keeps every token" if isinstance(p, Full) else
@@ -80,9 +86,21 @@ class PrefillBound:
 
     @property
     def carries(self) -> bool:
-        """Whether the signal is a running maximum over every chunk's queries (:meth:`scores`,
-        :meth:`carry`), not the policy's selection."""
+        """Whether the signal is a running maximum carried over the chunks (:meth:`carry`),
+        not the policy's selection."""
         return self.signal != "window"
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the running maxima come from the chunks' own queries (:meth:`scores`)."""
+        return self.signal in IN_FORWARD
+
+    @property
+    def scorer(self) -> KVzip:
+        """The reconstruction scoring of "reconstruct": KVzip's defaults (KVzip+ weighting,
+        each chunk's softmax over the sinks, the chunk and its repetition) with the policy's
+        sinks."""
+        return KVzip(n_sink=self.policy.n_sink)
 
     @property
     def far(self) -> int:
@@ -91,9 +109,12 @@ class PrefillBound:
         its last ``window``, kept anyway, and scored by the next chunk's), 0 for "max"."""
         return self.policy.window if self.signal == "far" else 0
 
-    def peak(self, chunk: int, pinned: int = 0) -> int:
-        """The most tokens a request holds while it prefills in chunks of at most ``chunk``."""
-        return self.target(pinned) + chunk
+    def peak(self, chunk: int, pinned: int = 0, repeat: int = 0) -> int:
+        """The most tokens a request holds while it prefills in chunks of at most ``chunk``
+        (and, with "reconstruct", ``repeat`` tokens of the repetition's prompt before the
+        chunk's own repeated tokens)."""
+        return self.target(pinned) + chunk + ((chunk + repeat) if self.signal == "reconstruct"
+                                              else 0)
 
     def scores(self, queries: torch.Tensor, keys: torch.Tensor,
                scale: Optional[float] = None) -> torch.Tensor:

@@ -43,7 +43,8 @@ import logging
 from typing import Optional, Union
 
 from kvprune_cuda import policy as policies
-from kvprune_cuda.vllm.config import CONFIG_KEY, ENGINE_EVIDENCE, engine_config, engine_policy
+from kvprune_cuda.vllm.config import (CONFIG_KEY, ENGINE_EVIDENCE, engine_config, engine_policy,
+                                      engine_prefill_bound)
 from kvprune_cuda.vllm.rules import kept_tokens
 
 SUPPORTED_VLLM = ("0.32.0",)
@@ -98,7 +99,7 @@ def engine_args(policy: Union[str, "policies.Policy"] = "snapkv",
                                gqa=gqa, pool_shift=pool_shift)
     p = engine_policy(policy, budget, options)
     rule = policies.make_decode(decode, max_held, interval, options, prompt=p)
-    bound = policies.make_prefill_bound(prefill_max_held, p, prefill_signal, prefill_novelty)
+    bound = engine_prefill_bound(prefill_max_held, p, prefill_signal, prefill_novelty)
     return {
         "scheduler_cls": "kvprune_cuda.vllm.scheduler.Scheduler",
         "worker_cls": "kvprune_cuda.vllm.worker.CPUWorker",

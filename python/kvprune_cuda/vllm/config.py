@@ -100,12 +100,24 @@ def decode_from_vllm_config(vllm_config) -> Optional["policies.DecodeRule"]:
     return None if rule is None else policies.make_decode(**rule)
 
 
+def engine_prefill_bound(max_held: Optional[int], policy: "policies.Policy",
+                         signal: Optional[str], novelty: Optional[float]
+                         ) -> Optional["policies.PrefillBound"]:
+    """:func:`kvprune_cuda.policy.make_prefill_bound`, refusing the signals vLLM cannot give: a
+    bound must rank by what the prompt's own forward and the held keys give."""
+    bound = policies.make_prefill_bound(max_held, policy, signal, novelty)
+    if bound is not None and bound.signal == "reconstruct":
+        raise ValueError("prefill_signal: 'reconstruct' repeats each chunk in a forward of its "
+                         "own, which vLLM's scheduler does not plan (kp.hf only); use 'max', "
+                         "'far' or 'window'")
+    return bound
+
+
 def prefill_from_vllm_config(vllm_config) -> Optional["policies.PrefillBound"]:
     """The bounded prefill in the engine's configuration (None: unbounded)."""
     config = _config(vllm_config)
-    return policies.make_prefill_bound(config.get("prefill_max_held"),
-                                       from_vllm_config(vllm_config), config.get("prefill_signal"),
-                                       config.get("prefill_novelty"))
+    return engine_prefill_bound(config.get("prefill_max_held"), from_vllm_config(vllm_config),
+                                config.get("prefill_signal"), config.get("prefill_novelty"))
 
 
 def is_configured(vllm_config) -> bool:

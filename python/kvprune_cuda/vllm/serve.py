@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    help="bounded prefill: compress a prompt back to this many tokens after "
                         "every chunk that leaves more (prompts longer than the KV pool)")
     p.add_argument("--kv-prefill-signal", default=None,
-                   help="what ranks a bounded prefill's held tokens: max (default) | far | window")
+                   help="what ranks a bounded prefill's held tokens: max (default) | far | window "
+                        "(reconstruct: kp.hf only, refused)")
     p.add_argument("--kv-prefill-novelty", type=float, default=None,
                    help="bounded prefill: the share of each compression's kept tokens that "
                         "goes first to each head's most novel keys (0 default; max or far)")

@@ -143,7 +143,7 @@ class RunnerHooks:
         num_reqs = batch.num_reqs
         compress = self.step_plan.rows
         self.plan, self.recording, self.decoding, self.bounding = [], [], [], []
-        maxima = self.prefill is not None and self.prefill.carries
+        maxima = self.prefill is not None and self.prefill.in_forward
         observes = self.decode is not None and self.decode.policy.observed_queries(1) > 0
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             prompt_len = int(batch.num_prompt_tokens[row])
