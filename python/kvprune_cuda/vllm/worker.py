@@ -204,8 +204,14 @@ class RunnerHooks:
         blocks = lambda row: meta.block_table[  # noqa: E731
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
         cache = module.kv_cache if self.fp8 is None else module.kv_cache.view(self.fp8)
-        keys_of = lambda row, row_blocks: request_keys(  # noqa: E731
-            cache, row_blocks, row.tokens, query.dtype, module._k_scale_float)
+        read: dict = {}  # (req_id, tokens) -> its held keys [1, Hkv, tokens, D], read once
+
+        def keys_of(row: _Row, row_blocks: torch.Tensor) -> torch.Tensor:
+            """The row's held keys as this step's attention left them (before compaction)."""
+            if (row.req_id, row.tokens) not in read:
+                read[row.req_id, row.tokens] = request_keys(cache, row_blocks, row.tokens,
+                                                            query.dtype, module._k_scale_float)
+            return read[row.req_id, row.tokens]
         for row in self.bounding:  # [T, Hq, D] -> [1, Hq, T, D]
             per_layer = self.bound_scores.setdefault(row.req_id, [None] * len(self.layers))
             fresh = self.prefill.scores(rows(row).transpose(0, 1).unsqueeze(0).contiguous(),
