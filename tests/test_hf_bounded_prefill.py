@@ -8,6 +8,8 @@ voted for by the last ``window`` queries; the peak is hand-computed.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -88,32 +90,62 @@ def test_each_chunk_keeps_the_reference_selection_and_the_peak_is_bound_plus_chu
             torch.testing.assert_close(got, exp_k.to(got.dtype), rtol=0, atol=0)
 
 
-def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(model, gen):
+@contextlib.contextmanager
+def _forward_inputs(model):
+    """The input ids of every base-model forward and the positions of every rotary embedding
+    (the forwards that run: a split prompt's outer call has none)."""
+    ids, positions = [], []
+    hooks = [model.model.register_forward_pre_hook(
+                 lambda m, a, kw: ids.append(kw.get("input_ids")), with_kwargs=True),
+             model.model.rotary_emb.register_forward_pre_hook(
+                 lambda m, a, kw: positions.append(a[1] if len(a) > 1 else kw["position_ids"]),
+                 with_kwargs=True)]
+    try:
+        yield ids, positions
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("bound", [BOUND, 100])
+def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(model, gen, bound):
     """"reconstruct": after each chunk but the last, one forward repeats the chunk (the repeat
-    prompt, then the chunk's ids), and the layer keeps what the reference selects by the
+    prompt, quoting the 8 tokens before the chunk after the first, then the chunk's ids, at the
+    positions after the chunk's), and the layer keeps what the reference selects by the
     running maximum of KVzip+'s scores: each chunk key's largest eager attention weight from
     the repetition's queries, renormalised over the sinks, the chunk and the repetition,
     times its value's output norm over the query's input norm (test_hf_context's oracle);
-    the repetition's own keys are gone before the next chunk; the peak holds one repetition."""
+    the repetition's own keys are gone before the next chunk; the peak holds one repetition.
+    With a bound of 100 the first two chunks are held whole and their maxima carried."""
     ids = _ids(gen, 1, N)
     cache = transformers.DynamicCache()
     with _eager_capture(model, values=True) as calls, _attention_inputs(model) as inputs, \
-            torch.no_grad():
-        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+            _forward_inputs(model) as (forwards, positions), torch.no_grad():
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=bound,
                             prefill_chunk=CHUNK, prefill_signal="reconstruct",
                             repeat_prompt=PROMPT) as comp:
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     # the repetitions: 3 + 2 + 48 (the first), 2 + 8 + 2 + 48 (the next, quoting 8 tokens)
-    assert comp.peak_held == BOUND + CHUNK + 60 == comp.prefill_bound.peak(
-        CHUNK, repeat=PROMPT.extra_tokens()) == 148
+    assert comp.peak_held == bound + CHUNK + 60 == comp.prefill_bound.peak(
+        CHUNK, repeat=PROMPT.extra_tokens())
     assert (comp.prompt_len, comp.compressed_len) == (N, BUDGET)
+    assert torch.equal(forwards[0], ids) and len(forwards) == 10  # the split call, then 9
+    for j in range(4):
+        s, e = CHUNK * j, CHUNK * (j + 1)
+        head = [5, 6, 7] if j == 0 else [8, 9] + ids[0, s - 8:s].tolist()
+        assert forwards[2 * j + 2][0].tolist() == head + [10, 11] + ids[0, s:e].tolist()
+        assert positions[2 * j].tolist() == [list(range(s, e))]
+        assert positions[2 * j + 1].tolist() == [list(range(e, e + len(head) + 2 + CHUNK))]
+    assert positions[8].tolist() == [list(range(4 * CHUNK, N))]
     for i in range(N_LAYERS):
-        assert [c[1].shape[2] for c in calls[i]] == [48, 101, 88, 148, 88, 148, 88, 148, 44]
+        held = [48, 96, 144, 148, 104] if bound == 100 else [48, 88, 88, 88, 44]
+        assert [c[1].shape[2] for c in calls[i][0::2]] == held
         chunks, repeats = calls[i][0::2], calls[i][1::2]
         carried = None
         for j, (rq, rk, rw, rv) in enumerate(repeats):
             n = chunks[j][1].shape[2]
             start, pos = n - CHUNK, torch.arange(rk.shape[2])
+            assert rk.shape[2] == n + (53 if j == 0 else 60)
             assert torch.equal(rk[:, :, :n], chunks[j][1])  # the repetition attends over the held
             w = rw * ((pos < 4) | (pos >= start))  # the sinks, the chunk, the repetition
             w = (w / w.sum(-1, keepdim=True))[..., :n]
@@ -124,14 +156,33 @@ def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(mode
             if carried is not None:
                 fresh[..., :carried.shape[-1]] = torch.maximum(fresh[..., :carried.shape[-1]],
                                                                carried)
-            pooled = ref.pool_scores(fresh.float(), 5, "max", window=W, shift=2)
-            idx = ref.select_keep(pooled, BOUND, n_sink=4, window=W).long()
-            carried = fresh.gather(2, idx)
-            exp_k = torch.gather(chunks[j][1], 2, idx[..., None].expand(-1, -1, -1, D))
-            torch.testing.assert_close(chunks[j + 1][1][:, :, :BOUND], exp_k, rtol=0, atol=0)
+            if n <= bound:  # held whole, its maxima carried
+                carried, exp_k = fresh, chunks[j][1]
+            else:
+                pooled = ref.pool_scores(fresh.float(), 5, "max", window=W, shift=2)
+                idx = ref.select_keep(pooled, bound, n_sink=4, window=W).long()
+                carried = fresh.gather(2, idx)
+                exp_k = torch.gather(chunks[j][1], 2, idx[..., None].expand(-1, -1, -1, D))
+            nxt = chunks[j + 1][1][:, :, :exp_k.shape[2]]  # what the next chunk attended over
+            torch.testing.assert_close(nxt, exp_k, rtol=0, atol=0)
         window = torch.cat([c[0] for c in chunks], 2)[:, :, N - W:]  # the prompt's, not a repetition's
         exp_k = ref.snapkv(window, chunks[-1][1], chunks[-1][1], BUDGET, **OPTS)[0]
         torch.testing.assert_close(hf.cache_kv(cache, i)[0], exp_k, rtol=0, atol=0)
+
+
+def test_reconstruct_compresses_each_row_as_it_would_alone(model, gen):
+    ids = _ids(gen, 2, N)
+    caches = [transformers.DynamicCache() for _ in range(3)]
+    with torch.no_grad(), kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                                         prefill_chunk=CHUNK, prefill_signal="reconstruct",
+                                         repeat_prompt=PROMPT):
+        for rows, cache in zip((ids, ids[:1], ids[1:]), caches):
+            model(input_ids=rows, past_key_values=cache, use_cache=True)
+    for i in range(N_LAYERS):
+        both = hf.cache_kv(caches[0], i)[0]
+        for r in range(2):
+            torch.testing.assert_close(both[r:r + 1], hf.cache_kv(caches[r + 1], i)[0],
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("signal", ["max", "reconstruct"])
@@ -229,6 +280,24 @@ def test_bad_bounded_prefill_arguments(model, gen):
         with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
                             repeat_prompt=PROMPT):
             pass
+    skipping = kp.hf.RepeatPrompt(PROMPT.first, PROMPT.next, PROMPT.suffix, skip=3)
+    for bad in (skipping, [5, 6, 7]):
+        with pytest.raises(ValueError, match="repeat_prompt: expected a RepeatPrompt with skip 0"):
+            with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                                prefill_signal="reconstruct", repeat_prompt=bad):
+                pass
+    with pytest.raises(ValueError, match="tokenizer: builds the repeat prompt of prefill_signal="):
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            tokenizer=object()):
+            pass
+    with pytest.raises(ValueError, match="tokenizer: give it or repeat_prompt, not both"):
+        with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
+                            prefill_signal="reconstruct", tokenizer=object(), repeat_prompt=PROMPT):
+            pass
+    with pytest.raises(ValueError, match="tokenizer: kvzip builds its repeat prompt .* pass "
+                                         "repeat_prompt="):  # the tiny model has no tokenizer
+        kp.hf.KVCompressor(model, "snapkv", BUDGET, options=kp.policy.Options(**OPTS),
+                           prefill_max_held=BOUND, prefill_signal="reconstruct")
     with kp.hf.compress(model, "snapkv", BUDGET, **OPTS, prefill_max_held=BOUND,
                         prefill_chunk=CHUNK, prefill_signal="reconstruct", repeat_prompt=PROMPT):
         with pytest.raises(ValueError, match="inputs_embeds: prefill_signal 'reconstruct'"):

@@ -38,7 +38,7 @@ import torch
 from kvprune_cuda import policy as policies
 from kvprune_cuda._args import check_int
 from kvprune_cuda.hf import scoring, select
-from kvprune_cuda.hf._compat import (cache_arg, cache_kv, cache_name, new_dynamic_cache,
+from kvprune_cuda.hf._compat import (cache_arg, cache_kv, cache_name, new_dynamic_cache, set_cache_kv,
                                      takes_cache_position)
 from kvprune_cuda.hf.decode_step import decode_step
 from kvprune_cuda.hf.memory import tensor_bytes
@@ -97,11 +97,17 @@ class KVCompressor:
         if self.prefill_bound is not None and not compress_on_prefill:
             raise ValueError("prefill_max_held: bounds a prefill that compresses "
                              "(compress_on_prefill=True)")
-        if repeat_prompt is not None and (self.prefill_bound is None
-                                          or self.prefill_bound.signal != "reconstruct"):
+        repeats = self.prefill_bound is not None and self.prefill_bound.signal == "reconstruct"
+        if repeat_prompt is not None and not repeats:
             raise ValueError("repeat_prompt: only a bounded prefill with prefill_signal="
                              "'reconstruct' repeats the prompt")
-        self.repeat_prompt = repeat_prompt  # "reconstruct": None until the first chunk needs it
+        if repeat_prompt is not None and (not isinstance(repeat_prompt, RepeatPrompt)
+                                          or repeat_prompt.skip):
+            raise ValueError(f"repeat_prompt: expected a RepeatPrompt with skip 0 (a bounded "
+                             f"prefill repeats every chunk whole), got {repeat_prompt!r}")
+        if repeats and repeat_prompt is None:
+            repeat_prompt = RepeatPrompt.from_tokenizer(model_tokenizer(model, "repeat_prompt="))
+        self.repeat_prompt = repeat_prompt  # "reconstruct"'s (None: another signal)
         self.observed = [self.policy, *observe]
         self.model = model
         self.compress_on_prefill = compress_on_prefill
@@ -262,8 +268,6 @@ class KVCompressor:
         running maxima; its own keys are dropped; then every layer holding more than the
         bound's target is compressed to it."""
         bound = self.prefill_bound
-        if self.repeat_prompt is None:
-            self.repeat_prompt = RepeatPrompt.from_tokenizer(model_tokenizer(self.model))
         ids, n = self.repeat_prompt.chunk_input(piece, prev), cache.get_seq_length()
 
         def forwards():
@@ -273,10 +277,12 @@ class KVCompressor:
         score_reconstruction(self, forwards, bound.scorer, n)
         for i, st in enumerate(self.layers):
             st.bound, st.kvzip = bound.carry(st.bound, st.kvzip), None
-            k, _ = cache_kv(cache, i)
+            k, v = cache_kv(cache, i)
             kept = bound.compresses(k.shape[2])
             if kept is not None:
                 select.keep_positions(st, cache, i, bound.select(st.bound, kept, keys=k))
+            else:  # out of the buffer that held the repetition too (a view would keep it)
+                set_cache_kv(cache, i, k.clone(), v.clone())
 
     def _bounded_chunk(self, module, st: LayerState, cache, i: int, hs, kwargs) -> None:
         """After a bounded prefill's chunk ``hs`` [B, q, hidden] in layer ``i``: the prompt's
@@ -530,7 +536,8 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     (:class:`kvprune_cuda.policy.DecodeRule`). With ``prefill_max_held``, a prompt longer
     than ``prefill_chunk`` tokens (default 2048) is prefilled in chunks and compressed back to
     ``prefill_max_held`` tokens after every chunk that leaves more, so a layer never holds
-    more than ``prefill_max_held + prefill_chunk`` tokens, the held tokens ranked by
+    more than ``prefill_max_held + prefill_chunk`` tokens ("reconstruct": a chunk's repetition
+    more), the held tokens ranked by
     ``prefill_signal`` ("max", the default: each key's largest attention from any prompt query
     so far; "far": from the queries at least ``window`` positions after it; "window": the
     policy's own selection; "reconstruct": KVzip's maxima from a forward that repeats each
@@ -542,7 +549,12 @@ def compress(model, policy: Union[str, "policies.Policy"] = "snapkv",
     ``peak_held``, ``nbytes``)."""
     options = policies.Options(n_sink=n_sink, window=window, kernel_size=kernel_size, pool=pool,
                                gqa=gqa, pool_shift=pool_shift)
-    if tokenizer is not None and repeat_prompt is None:
+    if tokenizer is not None:
+        if prefill_signal != "reconstruct":
+            raise ValueError("tokenizer: builds the repeat prompt of prefill_signal="
+                             "'reconstruct' only")
+        if repeat_prompt is not None:
+            raise ValueError("tokenizer: give it or repeat_prompt, not both")
         repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer)
     comp = KVCompressor(model, policy, budget, options=options, decode=decode, max_held=max_held,
                         interval=interval, prefill_max_held=prefill_max_held,

@@ -191,9 +191,9 @@ def score_reconstruction(comp, forward_chunks: Callable[[], Iterator[tuple[int, 
         st.kvzip = s
 
 
-def model_tokenizer(model):
+def model_tokenizer(model, instead: str = "tokenizer= or repeat_prompt="):
     """The tokenizer at ``model.config.name_or_path`` (kvzip's repeat prompt, when no
-    tokenizer or prompt is given)."""
+    tokenizer or prompt is given; ``instead``: what the caller takes to avoid it)."""
     from transformers import AutoTokenizer
 
     path = getattr(model.config, "name_or_path", None)
@@ -201,4 +201,4 @@ def model_tokenizer(model):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"tokenizer: kvzip builds its repeat prompt with the model's tokenizer; "
-                         f"pass tokenizer= or repeat_prompt= (loading {path!r} failed: {e})") from e
+                         f"pass {instead} (loading {path!r} failed: {e})") from e

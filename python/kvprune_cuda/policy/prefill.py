@@ -40,9 +40,10 @@ class PrefillBound:
     policy's pool (:meth:`select`); "far", the same over the queries at least ``window``
     positions after the key (:meth:`far`); "window", ``policy``'s own selection (snapkv: voted for by
     the last ``window`` queries of the prompt so far, pooled over neighbours in the held
-    order); "reconstruct", each key's largest attention probability from a forward that
-    repeats the key's chunk right after it (KVzip's reconstruction maxima, :attr:`scorer`;
-    kp.hf only). ``novelty`` (a fraction, with "max", "far" or "reconstruct"): that share of each earlier chunk's
+    order); "reconstruct", each key's largest KVzip+ score from a forward that repeats the
+    key's chunk right after it (:attr:`scorer`: each attention probability normalised over the
+    sinks, the chunk and the repetition, times the key's value output norm over the query's
+    input norm; kp.hf only). ``novelty`` (a fraction, with "max", "far" or "reconstruct"): that share of each earlier chunk's
     kept tokens (at most those left beside the sinks and the window) goes first, in every KV
     head, to the held keys most unlike the head's others
     (:func:`~kvprune_cuda.policy.novelty.key_novelty`: a needle in prose that no later query

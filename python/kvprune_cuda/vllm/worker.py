@@ -204,18 +204,25 @@ class RunnerHooks:
         blocks = lambda row: meta.block_table[  # noqa: E731
             row.row, : -(-row.tokens // self.block_size)].to(torch.int32).contiguous()
         cache = module.kv_cache if self.fp8 is None else module.kv_cache.view(self.fp8)
-        read: dict = {}  # (req_id, tokens) -> its held keys [1, Hkv, tokens, D], read once
+        # (req_id, tokens) -> the held keys [1, Hkv, tokens, D] a bounded row read for its
+        # maxima, kept for its compaction's novelty reserve (the one later read of them)
+        reread = ({(r.req_id, r.tokens) for r in self.plan if r.kind == "chunk"}
+                  if self.prefill is not None and self.prefill.novelty else set())
+        kept_keys: dict = {}
 
         def keys_of(row: _Row, row_blocks: torch.Tensor) -> torch.Tensor:
             """The row's held keys as this step's attention left them (before compaction)."""
-            if (row.req_id, row.tokens) not in read:
-                read[row.req_id, row.tokens] = request_keys(cache, row_blocks, row.tokens,
-                                                            query.dtype, module._k_scale_float)
-            return read[row.req_id, row.tokens]
+            keys = kept_keys.pop((row.req_id, row.tokens), None)
+            return keys if keys is not None else request_keys(
+                cache, row_blocks, row.tokens, query.dtype, module._k_scale_float)
+
         for row in self.bounding:  # [T, Hq, D] -> [1, Hq, T, D]
             per_layer = self.bound_scores.setdefault(row.req_id, [None] * len(self.layers))
+            keys = keys_of(row, blocks(row))
+            if (row.req_id, row.tokens) in reread:
+                kept_keys[row.req_id, row.tokens] = keys
             fresh = self.prefill.scores(rows(row).transpose(0, 1).unsqueeze(0).contiguous(),
-                                        keys_of(row, blocks(row)), module.impl.scale)
+                                        keys, module.impl.scale)
             per_layer[layer] = self.prefill.carry(per_layer[layer], fresh)
         for row in self.decoding:
             new_queries = rows(row)[-row.past_prompt:]  # [past_prompt, Hq, D]
