@@ -14,6 +14,9 @@ subprocess (peak RSS is a per-process high-water mark), under ``torch.no_grad``:
   ``prefill_max_held`` = ``BOUND_FACTOR`` x the budget's tokens, ``prefill_chunk`` =
   ``BOUND_CHUNK`` (the prompt prefilled in chunks, each layer compressed back to the bound after
   every chunk that leaves more);
+* ``snapkv-bounded-recon``: ``snapkv-bounded`` ranking the held tokens by a repetition of each
+  chunk (``prefill_signal="reconstruct"``, the tokenizer's repeat prompt): the compression
+  waits for the repetition, so every layer holds the bound, the chunk and its repetition;
 * ``kvzip``: ``kp.hf.compress_context(model, ids, "kvzip", --budget)`` (the query-agnostic
   path: prefill, reconstruction forwards on the uncompressed cache, then compression);
 * ``full+logits`` / ``snapkv+logits``: ``full`` / ``snapkv`` without ``logits_to_keep``, i.e.
@@ -71,8 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 OUT = common.RESULTS / "hf_peak_memory" / "peak.json"
-SETTINGS = ("full", "snapkv", "snapkv-bounded", "kvzip", "full+logits", "snapkv+logits",
-            "full+modules")
+SETTINGS = ("full", "snapkv", "snapkv-bounded", "snapkv-bounded-recon", "kvzip", "full+logits",
+            "snapkv+logits", "full+modules")
 BOUND_FACTOR, BOUND_CHUNK = 2, 2048  # snapkv-bounded: prefill_max_held = 2 x the budget
 DEFAULT_MODEL = getattr(common, "DEFAULT_MODEL", "qwen2.5-coder-0.5b-instruct")
 TINY = "tiny"  # eval_ruler.tiny_model: a random 2-layer Qwen2, random ids (tests; no download)
@@ -149,8 +152,8 @@ def prefill(model, tok, ids: torch.Tensor, setting: str, budget: float) -> dict:
             comp_bytes, held = 0, keep.get_seq_length()
             peak_held = held
         else:
-            with kp.hf.compress(model, "snapkv", budget, **bounded(ids.shape[1], policy, budget)
-                                ) as comp:
+            with kp.hf.compress(model, "snapkv", budget,
+                                **bounded(ids.shape[1], policy, budget, tok)) as comp:
                 out = model(input_ids=ids, use_cache=True, **kw)
             keep, comp_bytes, held = (out.past_key_values, comp), comp.nbytes, comp.compressed_len
             peak_held = comp.peak_held
@@ -164,14 +167,18 @@ def prefill(model, tok, ids: torch.Tensor, setting: str, budget: float) -> dict:
             "logits_bytes": logits, **mods}
 
 
-def bounded(n: int, policy: str, budget: float) -> dict:
-    """kp.hf.compress's bounded-prefill options for ``policy`` ("snapkv-bounded"; none else)."""
+def bounded(n: int, policy: str, budget: float, tok=None) -> dict:
+    """kp.hf.compress's bounded-prefill options for ``policy`` ("snapkv-bounded",
+    "snapkv-bounded-recon" with ``tok``'s repeat prompt; none else)."""
     import kvprune_cuda as kp
 
-    if policy != "snapkv-bounded":
+    if not policy.startswith("snapkv-bounded"):
         return {}
     kept = kp.policy.make("snapkv", budget=budget).kept_tokens(n)
-    return {"prefill_max_held": BOUND_FACTOR * kept, "prefill_chunk": BOUND_CHUNK}
+    kw = {"prefill_max_held": BOUND_FACTOR * kept, "prefill_chunk": BOUND_CHUNK}
+    if policy == "snapkv-bounded-recon":
+        kw.update(prefill_signal="reconstruct", tokenizer=tok)
+    return kw
 
 
 class ModulePeaks:
@@ -208,9 +215,10 @@ class ModulePeaks:
         self.handles.clear()
 
 
-def analytic(shape: dict, n: int, setting: str, budget: float, bpe: int) -> dict:
+def analytic(shape: dict, n: int, setting: str, budget: float, bpe: int, repeat: int = 0) -> dict:
     """Bytes by hand: dense K/V, one layer's, a compressed layer's, the layer-by-layer high-water
-    mark, and the per-layer activations that scale with ``n``."""
+    mark, and the per-layer activations that scale with ``n`` (``repeat``: the repeat prompt's
+    tokens beyond a chunk, "snapkv-bounded-recon")."""
     import kvprune_cuda as kp
 
     L, hkv, d = shape["layers"], shape["kv_heads"], shape["head_dim"]
@@ -219,13 +227,17 @@ def analytic(shape: dict, n: int, setting: str, budget: float, bpe: int) -> dict
     kept = n if policy == "full" else kp.policy.make(policy.split("-")[0],
                                                      budget=budget).kept_tokens(n)
     comp_layer = 2 * hkv * min(kept, n) * d * bpe
-    if policy == "snapkv-bounded" and n > BOUND_CHUNK:  # every layer at the bound, one the chunk more
+    if policy.startswith("snapkv-bounded") and n > BOUND_CHUNK:
         token = 2 * hkv * d * bpe
         bound = bounded(n, policy, budget)["prefill_max_held"]
+        # every layer at the bound, the one compressing a chunk more; with the repetition, every
+        # layer the bound, a chunk and its repetition (compressed once the repetition is done)
+        high = (L * bound + BOUND_CHUNK if policy == "snapkv-bounded"
+                else L * (bound + 2 * BOUND_CHUNK + repeat))
         return {"dense_kv_hand": L * layer, "layer_kv": layer, "kept_tokens_hand": min(kept, n),
                 "compressed_kv_hand": L * comp_layer,
                 "one_layer_plus_rest": layer + (L - 1) * comp_layer,
-                "kv_high_water": (L * bound + BOUND_CHUNK) * token,
+                "kv_high_water": high * token,
                 "mlp_intermediate": BOUND_CHUNK * shape["intermediate"] * bpe,
                 "hidden_state": BOUND_CHUNK * shape["hidden"] * bpe,
                 "all_logits": BOUND_CHUNK * shape["vocab"] * bpe}
@@ -279,6 +291,8 @@ def child(spec: dict) -> dict:
     model, tok, ids = load(spec)
     n = ids.shape[1]
     bpe = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+    repeat = (__import__("kvprune_cuda").hf.RepeatPrompt.from_tokenizer(tok).extra_tokens()
+              if spec["setting"] == "snapkv-bounded-recon" else 0)
     if spec["warmup"]:  # touches every weight (the LM head too), loads kernels and thread pools
         w = prefill(model, tok, ids[:, : spec["warmup"]], spec["setting"], spec["budget"])
         del w
@@ -311,7 +325,7 @@ def child(spec: dict) -> dict:
     row.update({"tokens": n, "peak_extra": peak, "resident_after": resident_after,
                 "probe": probe, "rss_before": rss_before, "weight_bytes": weight_bytes(model),
                 "bytes_per_elem": bpe, **{k: v for k, v in r.items() if k != "keep"},
-                **analytic(shape, n, spec["setting"], spec["budget"], bpe), "shape": shape,
+                **analytic(shape, n, spec["setting"], spec["budget"], bpe, repeat), "shape": shape,
                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                 "machine": common.machine()})
     return row

@@ -42,6 +42,12 @@ def test_cache_bytes_are_the_hand_formula(tiny):
     assert snap["held_tokens"] == kept and snap["kv_bytes"] == _hand(model, kept)
     a = hpm.analytic(hpm.model_shape(model), N, "snapkv", 0.16, 4)
     assert a["one_layer_plus_rest"] == _hand(model, N) // 2 + _hand(model, kept) // 2  # 2 layers
+    shape, token = hpm.model_shape(model), _hand(model, 1)
+    bound = 2 * round(0.16 * 8192)  # prefill_max_held: 2x the budget's tokens
+    assert hpm.analytic(shape, 8192, "snapkv-bounded", 0.16, 4)["kv_high_water"] == \
+        (2 * bound + 2048) * token // 2  # both layers at the bound, the one compressing a chunk more
+    assert hpm.analytic(shape, 8192, "snapkv-bounded-recon", 0.16, 4, 12)["kv_high_water"] == \
+        2 * (bound + 2048 + 2048 + 12) * token // 2  # each: the bound, a chunk and its repetition
     every = hpm.prefill(model, None, ids, "full+logits", 0.16)
     assert every["logits_bytes"] == N * 128 * 4 and every["kv_bytes"] == _hand(model, N)
     probed = hpm.prefill(model, None, ids, "full+modules", 0.16)  # per-module hooks, removed after
