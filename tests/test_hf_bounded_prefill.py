@@ -112,7 +112,7 @@ def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(mode
     """"reconstruct": after each chunk but the last, one forward repeats the chunk (the repeat
     prompt, quoting the 8 tokens before the chunk after the first, then the chunk's ids, at the
     positions after the chunk's), and the layer keeps what the reference selects by the
-    running maximum of KVzip+'s scores: each chunk key's largest eager attention weight from
+    running maximum of KVzip+'s scores, unpooled: each chunk key's largest eager attention weight from
     the repetition's queries, renormalised over the sinks, the chunk and the repetition,
     times its value's output norm over the query's input norm (test_hf_context's oracle);
     the repetition's own keys are gone before the next chunk; the peak holds one repetition.
@@ -158,9 +158,8 @@ def test_reconstruct_keeps_each_chunks_repetition_maxima_and_drops_its_keys(mode
                                                                carried)
             if n <= bound:  # held whole, its maxima carried
                 carried, exp_k = fresh, chunks[j][1]
-            else:
-                pooled = ref.pool_scores(fresh.float(), 5, "max", window=W, shift=2)
-                idx = ref.select_keep(pooled, bound, n_sink=4, window=W).long()
+            else:  # ranked unpooled, as KVzip ranks its maxima
+                idx = ref.select_keep(fresh.float(), bound, n_sink=4, window=W).long()
                 carried = fresh.gather(2, idx)
                 exp_k = torch.gather(chunks[j][1], 2, idx[..., None].expand(-1, -1, -1, D))
             nxt = chunks[j + 1][1][:, :, :exp_k.shape[2]]  # what the next chunk attended over

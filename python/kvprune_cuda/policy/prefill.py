@@ -152,13 +152,15 @@ class PrefillBound:
         [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window``, with
         :attr:`novelty` the ``int(novelty * kept)`` most novel of the other held ``keys``
         [B, Hkv, n, D] (needed then only; at most the slots the sinks and window leave), and
-        the top pooled scores (the policy's pool, if it has one; the reserve is raised after
-        pooling, so it does not spread to neighbours)."""
+        the top pooled scores (the policy's pool, if it has one; "reconstruct": the scorer's,
+        none, as KVzip ranks its maxima; the reserve is raised after pooling, so it does not
+        spread to neighbours)."""
         p = self.policy
-        kernel = getattr(p, "kernel_size", 1)
+        pooling = self.scorer if self.signal == "reconstruct" else p
+        kernel = getattr(pooling, "kernel_size", 1)
         if kernel > 1:
-            scores = pool_scores(scores.contiguous(), kernel, getattr(p, "pool", "max"),
-                                 window=p.window, shift=getattr(p, "shift", 0))
+            scores = pool_scores(scores.contiguous(), kernel, getattr(pooling, "pool", "max"),
+                                 window=p.window, shift=getattr(pooling, "shift", 0))
         first = max(p.n_sink, pinned)
         if self.novelty:
             if keys is None:
