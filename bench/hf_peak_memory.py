@@ -291,7 +291,9 @@ def child(spec: dict) -> dict:
     model, tok, ids = load(spec)
     n = ids.shape[1]
     bpe = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
-    repeat = (__import__("kvprune_cuda").hf.RepeatPrompt.from_tokenizer(tok).extra_tokens()
+    import kvprune_cuda as kp
+
+    repeat = (kp.hf.RepeatPrompt.from_tokenizer(tok).extra_tokens()
               if spec["setting"] == "snapkv-bounded-recon" else 0)
     if spec["warmup"]:  # touches every weight (the LM head too), loads kernels and thread pools
         w = prefill(model, tok, ids[:, : spec["warmup"]], spec["setting"], spec["budget"])
@@ -321,7 +323,7 @@ def child(spec: dict) -> dict:
     row.update({f"{k}_after": v for k, v in after.items()})
     # kvprune's per-thread CPU workspace, kept between calls (sized by the largest call)
     row["mlock"] = locked
-    row["kp_cpu_workspace"] = __import__("kvprune_cuda").cpu_workspace_bytes()
+    row["kp_cpu_workspace"] = kp.cpu_workspace_bytes()
     row.update({"tokens": n, "peak_extra": peak, "resident_after": resident_after,
                 "probe": probe, "rss_before": rss_before, "weight_bytes": weight_bytes(model),
                 "bytes_per_elem": bpe, **{k: v for k, v in r.items() if k != "keep"},

@@ -59,8 +59,8 @@ class KVCompressor:
     reconstruction forwards, :func:`~kvprune_cuda.hf.reconstruct.score_reconstruction`).
     ``prefill_max_held``, ``prefill_chunk`` (default :data:`PREFILL_CHUNK`), ``prefill_signal``,
     ``prefill_novelty``: the bounded-peak prefill (module doc; :func:`kvprune_cuda.policy.make_prefill_bound`);
-    ``repeat_prompt``: the "reconstruct" signal's (None: built from the model's tokenizer when
-    the first chunk is repeated).
+    ``repeat_prompt``: the "reconstruct" signal's (None: built from the model's tokenizer, here,
+    before any forward).
 
     After a forward: ``prompt_len`` (tokens of the compressed prompt) and ``compressed_len``
     (tokens each layer holds per head right after compression; None when layers or heads
@@ -97,7 +97,7 @@ class KVCompressor:
         if self.prefill_bound is not None and not compress_on_prefill:
             raise ValueError("prefill_max_held: bounds a prefill that compresses "
                              "(compress_on_prefill=True)")
-        repeats = self.prefill_bound is not None and self.prefill_bound.signal == "reconstruct"
+        repeats = self.prefill_bound is not None and self.prefill_bound.repeats
         if repeat_prompt is not None and not repeats:
             raise ValueError("repeat_prompt: only a bounded prefill with prefill_signal="
                              "'reconstruct' repeats the prompt")
@@ -239,7 +239,7 @@ class KVCompressor:
         if per_token:  # not split by this code: refused rather than given whole to each chunk
             raise ValueError(f"{per_token[0]}: a bounded prefill (prefill_max_held) splits "
                              "input_ids / inputs_embeds, attention_mask and positions only")
-        repeats = self.prefill_bound.signal == "reconstruct"
+        repeats = self.prefill_bound.repeats
         if repeats and name != "input_ids":
             raise ValueError("inputs_embeds: prefill_signal 'reconstruct' repeats the prompt's "
                              "token ids; pass input_ids")
@@ -297,7 +297,7 @@ class KVCompressor:
             self.prompt_len = end
             return
         bound = self.prefill_bound
-        if bound.signal == "reconstruct":
+        if bound.repeats:
             return
         k, v = cache_kv(cache, i)
         if bound.in_forward:

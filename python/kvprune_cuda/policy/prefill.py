@@ -97,6 +97,12 @@ class PrefillBound:
         return self.signal in IN_FORWARD
 
     @property
+    def repeats(self) -> bool:
+        """Whether the running maxima come from a repetition of each chunk ("reconstruct":
+        :attr:`scorer`, a forward of its own)."""
+        return self.signal == "reconstruct"
+
+    @property
     def scorer(self) -> KVzip:
         """The reconstruction scoring of "reconstruct": KVzip's defaults (KVzip+ weighting,
         each chunk's softmax over the sinks, the chunk and its repetition) with the policy's
@@ -114,8 +120,7 @@ class PrefillBound:
         """The most tokens a request holds while it prefills in chunks of at most ``chunk``
         (and, with "reconstruct", ``repeat`` tokens of the repetition's prompt before the
         chunk's own repeated tokens)."""
-        return self.target(pinned) + chunk + ((chunk + repeat) if self.signal == "reconstruct"
-                                              else 0)
+        return self.target(pinned) + chunk + ((chunk + repeat) if self.repeats else 0)
 
     def scores(self, queries: torch.Tensor, keys: torch.Tensor,
                scale: Optional[float] = None) -> torch.Tensor:
@@ -152,15 +157,14 @@ class PrefillBound:
         [B, Hkv, n]): the sinks (and the first ``pinned``), the last ``window``, with
         :attr:`novelty` the ``int(novelty * kept)`` most novel of the other held ``keys``
         [B, Hkv, n, D] (needed then only; at most the slots the sinks and window leave), and
-        the top pooled scores (the policy's pool, if it has one; "reconstruct": the scorer's,
-        none, as KVzip ranks its maxima; the reserve is raised after pooling, so it does not
-        spread to neighbours)."""
+        the top pooled scores (the policy's pool, if it has one; "reconstruct" ranks its maxima
+        unpooled, as KVzip does; the reserve is raised after pooling, so it does not spread to
+        neighbours)."""
         p = self.policy
-        pooling = self.scorer if self.signal == "reconstruct" else p
-        kernel = getattr(pooling, "kernel_size", 1)
+        kernel = 1 if self.repeats else getattr(p, "kernel_size", 1)
         if kernel > 1:
-            scores = pool_scores(scores.contiguous(), kernel, getattr(pooling, "pool", "max"),
-                                 window=p.window, shift=getattr(pooling, "shift", 0))
+            scores = pool_scores(scores.contiguous(), kernel, getattr(p, "pool", "max"),
+                                 window=p.window, shift=getattr(p, "shift", 0))
         first = max(p.n_sink, pinned)
         if self.novelty:
             if keys is None:

@@ -106,7 +106,7 @@ def engine_prefill_bound(max_held: Optional[int], policy: "policies.Policy",
     """:func:`kvprune_cuda.policy.make_prefill_bound`, refusing the signals vLLM cannot give: a
     bound must rank by what the prompt's own forward and the held keys give."""
     bound = policies.make_prefill_bound(max_held, policy, signal, novelty)
-    if bound is not None and bound.signal == "reconstruct":
+    if bound is not None and bound.repeats:
         raise ValueError("prefill_signal: 'reconstruct' repeats each chunk in a forward of its "
                          "own, which vLLM's scheduler does not plan (kp.hf only); use 'max', "
                          "'far' or 'window'")
